@@ -1,0 +1,59 @@
+"""tr-train: compose (Hydra), compile, allocate, capture and train. Sweeps with -m."""
+from __future__ import annotations
+
+import sys
+
+from tr_hydra.cli._common import compose, fail, user_errors
+from tr_hydra.config.locate import config_dir
+
+
+def _is_multirun(argv: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in argv)
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra.")]
+
+
+def run(cfg) -> dict:
+    """The Hydra task: one training run in the Hydra run dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.runtime.runner import Trainer
+    with user_errors("tr-train"):
+        pc = plan_config_from(cfg)
+        run_dir = HydraConfig.get().runtime.output_dir
+        trainer = Trainer(pc, run_dir)
+        print(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
+              f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}",
+              flush=True)
+        result = trainer.fit()
+    last = result.epochs[-1] if result.epochs else {}
+    print(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
+          f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "
+          f"weights in {result.final_path}", flush=True)
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not _is_multirun(argv) and not any(a.startswith("--") for a in argv):
+        # Compose once up front so a bad override is one line, not a Hydra report.
+        with user_errors("tr-train"):
+            from tr_hydra.config.plan_config import plan_config_from
+            plan_config_from(compose(_overrides(argv)))
+    import hydra
+    task = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(run)
+    sys.argv = [sys.argv[0]] + argv
+    try:
+        task()
+    except SystemExit:
+        raise
+    except Exception as e:  # Hydra reports most errors itself; anything else is one line too
+        fail("tr-train", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Model analysis: which region each parameter/buffer belongs to, and shape propagation on the
+meta device (no real compute) for every variant."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tr_hydra.errors import ModelMappingError
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str                 # named_parameters() name, e.g. layer1.0.conv1.weight
+    kind: str                 # BN_BIAS | BN_WEIGHT | FC_BIAS | FC_WEIGHT | FIRST_CONV | DEEP_CONV
+    shape: tuple[int, ...]    # PyTorch shape
+
+
+@dataclass(frozen=True)
+class BNInfo:
+    module: str               # module name
+    channels: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class ModelMap:
+    params: tuple[ParamInfo, ...]
+    bns: tuple[BNInfo, ...]   # in named_buffers() order
+    first_convs: tuple[str, ...]
+
+
+def find_first_convs(model: nn.Module, channels: int, res: int = 32) -> tuple[str, ...]:
+    """Names of the convs that read the input image directly (found by a meta-device forward)."""
+    hits: list[str] = []
+    x = torch.empty(1, channels, res, res, device="meta")
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            def hook(mod, args, _name=name):
+                if args and args[0] is x:
+                    hits.append(_name)
+            handles.append(m.register_forward_pre_hook(hook))
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train(was_training)
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(hits)
+
+
+def map_model(model: nn.Module, channels: int = 3) -> ModelMap:
+    """Map every parameter and buffer to a parameter kind; anything else is a compile error."""
+    modules = dict(model.named_modules())
+    first = find_first_convs(model, channels)
+    if not first:
+        raise ModelMappingError("no convolution reads the input image; tr_hydra needs a conv stem")
+    params: list[ParamInfo] = []
+    for pname, p in model.named_parameters():
+        mod_name, _, leaf = pname.rpartition(".")
+        m = modules[mod_name]
+        if isinstance(m, nn.Conv2d) and leaf == "weight":
+            if m.groups != 1:
+                raise ModelMappingError(f"parameter {pname}: grouped convolutions are not supported")
+            kind = "FIRST_CONV" if mod_name in first else "DEEP_CONV"
+        elif isinstance(m, nn.Linear):
+            kind = "FC_WEIGHT" if leaf == "weight" else "FC_BIAS"
+        elif isinstance(m, nn.BatchNorm2d) and leaf in ("weight", "bias"):
+            kind = "BN_WEIGHT" if leaf == "weight" else "BN_BIAS"
+        else:
+            raise ModelMappingError(f"parameter {pname} ({type(m).__name__}.{leaf}) fits no region: "
+                                    f"supported are conv weights, BatchNorm2d weight/bias, Linear weight/bias")
+        params.append(ParamInfo(pname, kind, tuple(p.shape)))
+    bns: list[BNInfo] = []
+    for bname, _ in model.named_buffers():
+        mod_name, _, leaf = bname.rpartition(".")
+        m = modules[mod_name]
+        if not isinstance(m, nn.BatchNorm2d):
+            raise ModelMappingError(f"buffer {bname} fits no region (only BatchNorm2d statistics do)")
+        if leaf == "running_mean":
+            if m.momentum is None:
+                raise ModelMappingError(f"buffer {bname}: BatchNorm with momentum=None (cumulative "
+                                        f"average) is not supported")
+            if not m.affine:
+                raise ModelMappingError(f"module {mod_name}: BatchNorm2d without affine parameters "
+                                        f"is not supported")
+            bns.append(BNInfo(mod_name, m.num_features, float(m.eps)))
+        elif leaf not in ("running_var", "num_batches_tracked"):
+            raise ModelMappingError(f"buffer {bname} fits no region")
+    for m_name, m in modules.items():
+        if isinstance(m, nn.BatchNorm2d) and not m.track_running_stats:
+            raise ModelMappingError(f"module {m_name}: BatchNorm2d without running statistics is not supported")
+    return ModelMap(tuple(params), tuple(bns), first)
+
+
+@dataclass(frozen=True)
+class ShapeReport:
+    logits: tuple[int, int]
+    saved_activation_bytes: int   # what autograd keeps for backward (0 for validation)
+
+
+def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.dtype,
+              train: bool) -> ShapeReport:
+    """Run the model on the meta device: output shape and bytes autograd saves for backward."""
+    x = torch.empty(batch, channels, res, res, device="meta", dtype=dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    # parameters and the input live in the arena: not part of the activation pool
+    arena_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    arena_storages.add(x.untyped_storage()._cdata)
+    storages: dict[int, int] = {}
+    alive: list[torch.Tensor] = []  # keep saved tensors alive so storage keys are not reused
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st._cdata not in arena_storages:
+            storages[st._cdata] = max(storages.get(st._cdata, 0), st.nbytes())
+            alive.append(t)
+        return None
+
+    was = model.training
+    model.train(train)
+    try:
+        if train:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+                out = model(x.requires_grad_(False))
+        else:
+            with torch.no_grad():
+                out = model(x)
+    finally:
+        model.train(was)
+    return ShapeReport(tuple(out.shape), sum(storages.values()))

@@ -1,0 +1,108 @@
+"""Compile: PlanConfig -> model map, MemoryPlan (finalized), variant shapes, step program."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from tr_hydra.compiler.analysis import ModelMap, ShapeReport, map_model, propagate
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.errors import ModelMappingError
+from tr_hydra.memory.plan import MemoryPlan, alloc_baseline_dtensors
+from tr_hydra.memory.regions import SERIES_KINDS
+from tr_hydra.models.registry import build_model
+
+
+def compute_dtype(pc: PlanConfig) -> torch.dtype:
+    if not pc.amp:
+        return torch.float32
+    return torch.bfloat16 if pc.amp_dtype == "bf16" else torch.float16
+
+
+@dataclass
+class Compiled:
+    config: PlanConfig
+    model_map: ModelMap
+    plan: MemoryPlan
+    shapes: dict[str, ShapeReport]
+    compute_dtype: torch.dtype
+    program: "object" = field(default=None)
+
+    @property
+    def activation_estimate(self) -> int:
+        """Bytes autograd will save in the largest training variant (the shared graph pool)."""
+        return max((r.saved_activation_bytes for r in self.shapes.values()), default=0)
+
+
+def twin_series(pc: PlanConfig) -> tuple[str, ...]:
+    """Series twinned with the W masters, in the order they are registered."""
+    s = []
+    if pc.ema:
+        s.append("E")
+        if pc.amp:
+            s.append("E16")
+    if pc.amp:
+        s.append("A")
+    s.append("G")
+    if pc.amp:
+        s.append("G16")
+    s += list(pc.conditions.state_series)
+    return tuple(s)
+
+
+def build_plan(pc: PlanConfig, model_map: ModelMap) -> MemoryPlan:
+    plan = MemoryPlan(pc.conditions)
+    for bn in model_map.bns:
+        plan.alloc_bn_stats(f"{bn.module}.running_mean", f"{bn.module}.running_var", bn.channels)
+    if pc.ema:
+        for bn in model_map.bns:
+            plan.alloc_bn_stats_next(f"{bn.module}.running_mean", f"{bn.module}.running_var", bn.channels)
+    masters = []
+    for p in model_map.params:
+        if p.kind in ("FIRST_CONV", "DEEP_CONV"):
+            o, i, kh, kw = p.shape
+            t = (plan.alloc_first_conv if p.kind == "FIRST_CONV" else plan.alloc_deep_conv)(p.name, o, i, kh, kw)
+        elif p.kind == "FC_WEIGHT":
+            t = plan.alloc_fc_weight(p.name, *p.shape)
+        else:
+            alloc = {"FC_BIAS": plan.alloc_fc_bias, "BN_WEIGHT": plan.alloc_bn_weight,
+                     "BN_BIAS": plan.alloc_bn_bias}[p.kind]
+            t = alloc(p.name, p.shape[0])
+        masters.append(t)
+    if pc.bn_folded:
+        eps = {bn.eps for bn in model_map.bns}
+        if len(eps) > 1:
+            raise ModelMappingError(f"plan.bn_folded: BatchNorm layers use different eps {sorted(eps)}")
+        for bn in model_map.bns:
+            plan.alloc_eq_scale(bn.module, bn.channels)
+            plan.alloc_eq_bias(bn.module, bn.channels)
+    for series in twin_series(pc):
+        for t in masters:
+            if t.kind in SERIES_KINDS[series]:
+                plan.alloc_twin(series, t)
+    variants = {v.name: (v.batch, v.res, v.train) for v in pc.variants}
+    alloc_baseline_dtensors(plan, variants, pc.data.channels, pc.model.num_classes)
+    return plan.finalize()
+
+
+def instantiate_model(pc: PlanConfig, device: str | torch.device = "cpu") -> nn.Module:
+    with torch.device(device):
+        return build_model(pc.model.name, pc.model.num_classes,
+                           zero_init_residual=pc.model.zero_init_residual, width=pc.model.width)
+
+
+def compile_plan(pc: PlanConfig) -> Compiled:
+    """Everything decided before the first step: runs on the meta device, needs no GPU."""
+    from tr_hydra.compiler.program import build_program
+
+    meta_model = instantiate_model(pc, "meta")
+    model_map = map_model(meta_model, pc.data.channels)
+    plan = build_plan(pc, model_map)
+    dt = compute_dtype(pc)
+    meta_model.to(dtype=dt)
+    shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train)
+              for v in pc.variants}
+    compiled = Compiled(pc, model_map, plan, shapes, dt)
+    compiled.program = build_program(compiled)
+    return compiled

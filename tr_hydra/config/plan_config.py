@@ -1,0 +1,247 @@
+"""PlanConfig: the composed config, checked and frozen, holding all the compiler needs.
+
+Nothing in here refers to Hydra; tests and tools may build a PlanConfig by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tr_hydra.errors import ConfigError
+from tr_hydra.memory.plan import PlanConditions
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str = "resnet_mini"
+    num_classes: int = 10
+    init_from: str | None = None
+    zero_init_residual: bool = False
+    width: int = 16
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = "momentum"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    trust_coefficient: float = 0.001
+    wd_exclude_bn_bias: bool = True
+    schedule: str = "cosine"
+    warmup_epochs: float = 0.0
+    min_lr: float = 0.0
+    poly_power: float = 2.0
+    milestones: tuple[float, ...] = (30.0, 60.0, 80.0)
+    gamma: float = 0.1
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    name: str = "synthetic"
+    root: str | None = None
+    path: str | None = None
+    num_classes: int = 10
+    channels: int = 3
+    image_size: int = 32
+    train_size: int | None = None
+    val_size: int | None = None
+    mean: tuple[float, ...] = (123.675, 116.28, 103.53)
+    std: tuple[float, ...] = (58.395, 57.12, 57.375)
+    shuffle: bool = True
+    augment: bool = True
+    drop_last: bool = False
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)
+    cache_dir: str | None = None
+    skip_corrupt: bool = False
+    num_threads: int = 2
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    epochs: int = 2
+    max_steps: int | None = None
+    log_every: int = 20
+    label_smoothing: float = 0.0
+    val_every: int = 1
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    sema_every: int = 0
+    loss_scale: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    max_nonfinite: int = 3
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    device: str = "auto"
+    cuda_graph: bool = True
+    compile: str = "none"
+    deterministic: bool = False
+    warmup_steps: int = 3
+    channels_last: bool = True
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str       # train_base, train_last, train_lowres, train_lowres_last, val_base, val_last
+    train: bool
+    batch: int
+    res: int
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    variants: tuple[VariantSpec, ...] = ()
+    batch_size: int = 64
+    val_batch_size: int = 128
+    lowres_epochs: int = 0
+    train_size: int = 0
+    val_size: int = 0
+    amp: bool = False
+    amp_dtype: str = "bf16"
+    ema: bool = False
+    ema_decay: float = 0.9999
+    ema_warmup: bool = True
+    bn_folded: bool = False
+    seed: int = 0
+
+    @property
+    def conditions(self) -> PlanConditions:
+        return PlanConditions(optimizer=self.optimizer.name, amp=self.amp, ema=self.ema,
+                              bn_folded=self.bn_folded)
+
+    def variant(self, name: str) -> VariantSpec:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def has_variant(self, name: str) -> bool:
+        return any(v.name == name for v in self.variants)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that decides the arena layout (model, precision, optimizer state,
+        EMA, folding, variant shapes)."""
+        key = {
+            "model": dataclasses.asdict(self.model) | {"init_from": None},
+            "optimizer": self.optimizer.name, "amp": self.amp, "amp_dtype": self.amp_dtype,
+            "ema": self.ema, "bn_folded": self.bn_folded, "channels": self.data.channels,
+            "variants": [dataclasses.asdict(v) for v in self.variants],
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
+                  base_res: int, lowres_res: int, lowres_epochs: int, val_res: int,
+                  drop_last: bool) -> tuple[VariantSpec, ...]:
+    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists."""
+    if batch_size > train_size:
+        raise ConfigError(f"variants.batch_size={batch_size} exceeds the training set size "
+                          f"({train_size}); use a batch of at most {train_size}")
+    rem = 0 if drop_last else train_size % batch_size
+    out = [VariantSpec("train_base", True, batch_size, base_res)]
+    if rem:
+        out.append(VariantSpec("train_last", True, rem, base_res))
+    if lowres_epochs > 0:
+        out.append(VariantSpec("train_lowres", True, batch_size, lowres_res))
+        if rem:
+            out.append(VariantSpec("train_lowres_last", True, rem, lowres_res))
+    vb = min(val_batch_size, val_size)
+    if vb > 0:
+        out.append(VariantSpec("val_base", False, vb, val_res))
+        if val_size % vb:
+            out.append(VariantSpec("val_last", False, val_size % vb, val_res))
+    return tuple(out)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def _freeze(spec_cls, obj) -> Any:
+    return spec_cls(**{f.name: _plain(getattr(obj, f.name)) for f in fields(spec_cls)})
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def plan_config_from(cfg) -> PlanConfig:
+    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from tr_hydra.data.sizes import dataset_sizes
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_object(cfg)
+    model = _freeze(ModelSpec, cfg.model)
+    opt = _freeze(OptimizerSpec, cfg.optimizer)
+    data = _freeze(DataSpec, cfg.data)
+    trainer = _freeze(TrainerSpec, cfg.trainer)
+    runtime = _freeze(RuntimeSpec, cfg.runtime)
+    v = cfg.variants
+
+    _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
+    _check(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
+    _check(opt.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
+    _check(len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas), "optimizer.betas",
+           f"must be two numbers in [0, 1), got {list(opt.betas)}")
+    _check(opt.eps >= 0, "optimizer.eps", f"must be >= 0, got {opt.eps}")
+    _check(opt.trust_coefficient > 0, "optimizer.trust_coefficient", "must be > 0")
+    _check(opt.warmup_epochs >= 0, "optimizer.warmup_epochs", "must be >= 0")
+    if opt.name == "sgd" and opt.momentum:
+        raise ConfigError("optimizer.momentum: optimizer=sgd has no momentum; use optimizer=momentum")
+    if opt.name in ("momentum", "nesterov", "lars"):
+        _check(opt.momentum > 0, "optimizer.momentum", f"optimizer={opt.name} needs momentum > 0")
+    _check(model.num_classes >= 2, "model.num_classes", f"must be >= 2, got {model.num_classes}")
+    _check(model.width >= 1, "model.width", "must be >= 1")
+    _check(data.channels == 3, "data.channels", f"only 3-channel images are supported, got {data.channels}")
+    _check(len(data.mean) == data.channels and len(data.std) == data.channels, "data.mean/data.std",
+           f"need {data.channels} values each")
+    _check(all(s > 0 for s in data.std), "data.std", "must be > 0")
+    _check(model.num_classes == data.num_classes, "model.num_classes",
+           f"{model.num_classes} differs from data.num_classes={data.num_classes}")
+    for key in ("batch_size", "val_batch_size"):
+        _check(getattr(v, key) >= 1, f"variants.{key}", f"must be >= 1, got {getattr(v, key)}")
+    for key in ("base_res", "lowres_res", "val_res"):
+        _check(getattr(v, key) >= 8, f"variants.{key}", f"must be >= 8 pixels, got {getattr(v, key)}")
+    _check(v.lowres_epochs >= 0, "variants.lowres_epochs", "must be >= 0")
+    _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")
+    _check(trainer.max_steps is None or trainer.max_steps >= 1, "trainer.max_steps", "must be >= 1 or null")
+    _check(trainer.log_every >= 1, "trainer.log_every", "must be >= 1")
+    _check(0 <= trainer.label_smoothing < 1, "trainer.label_smoothing", "must be in [0, 1)")
+    _check(trainer.loss_scale > 0, "trainer.loss_scale", "must be > 0")
+    _check(0 < cfg.ema_decay < 1, "ema_decay", f"must be in (0, 1), got {cfg.ema_decay}")
+
+    train_size, val_size = dataset_sizes(data, v.train_size, v.val_size)
+    variants = make_variants(train_size=train_size, val_size=val_size, batch_size=v.batch_size,
+                             val_batch_size=v.val_batch_size, base_res=v.base_res,
+                             lowres_res=v.lowres_res, lowres_epochs=v.lowres_epochs,
+                             val_res=v.val_res, drop_last=data.drop_last)
+    return PlanConfig(model=model, optimizer=opt, data=data, trainer=trainer, runtime=runtime,
+                      variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
+                      lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
+                      amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
+                      ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
+                      bn_folded=bool(cfg.plan.bn_folded), seed=int(cfg.seed))

@@ -1,0 +1,180 @@
+"""Dataclass schemas behind every config group, registered in Hydra's ConfigStore.
+
+The primary config lists ``tr_hydra_schema`` first in its defaults, so every group file is merged
+into a typed node: a wrong type, an unknown key or an unknown enum value fails at compose time.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ModelName(enum.Enum):
+    resnet18 = "resnet18"
+    resnet34 = "resnet34"
+    resnet50 = "resnet50"
+    resnet18_cifar = "resnet18_cifar"
+    resnet_mini = "resnet_mini"
+
+
+class OptimizerName(enum.Enum):
+    sgd = "sgd"
+    momentum = "momentum"
+    nesterov = "nesterov"
+    adam = "adam"
+    adamw = "adamw"
+    lars = "lars"
+
+
+class Schedule(enum.Enum):
+    constant = "constant"
+    step = "step"
+    cosine = "cosine"
+    poly = "poly"
+
+
+class DataName(enum.Enum):
+    synthetic = "synthetic"
+    imagefolder = "imagefolder"
+    arrays = "arrays"
+    digits = "digits"
+
+
+class AmpDtype(enum.Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Device(enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class CompileMode(enum.Enum):
+    none = "none"
+    inductor = "inductor"
+
+
+class PlanFormat(enum.Enum):
+    table = "table"
+    json = "json"
+
+
+@dataclass
+class ModelConfig:
+    name: ModelName = ModelName.resnet_mini
+    num_classes: int = 10
+    init_from: Optional[str] = None  # path to a state_dict
+    zero_init_residual: bool = False
+    width: int = 16  # resnet_mini only: channels of the first stage
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.momentum
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    trust_coefficient: float = 0.001  # lars
+    wd_exclude_bn_bias: bool = True
+    schedule: Schedule = Schedule.cosine
+    warmup_epochs: float = 0.0
+    min_lr: float = 0.0          # floor of cosine / poly
+    poly_power: float = 2.0      # poly
+    milestones: List[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])  # step, in epochs
+    gamma: float = 0.1           # step
+
+
+@dataclass
+class DataConfig:
+    name: DataName = DataName.synthetic
+    root: Optional[str] = None   # imagefolder: holds train/ and val/
+    path: Optional[str] = None   # arrays: .npz file
+    num_classes: int = 10
+    channels: int = 3
+    image_size: int = 32         # native size of generated / built-in images
+    train_size: Optional[int] = None  # None: counted from the source
+    val_size: Optional[int] = None
+    mean: List[float] = field(default_factory=lambda: [123.675, 116.28, 103.53])  # 0-255 scale
+    std: List[float] = field(default_factory=lambda: [58.395, 57.12, 57.375])
+    shuffle: bool = True
+    augment: bool = True
+    drop_last: bool = False
+    crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: List[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])
+    cache_dir: Optional[str] = None
+    skip_corrupt: bool = False
+    num_threads: int = 2
+
+
+@dataclass
+class VariantsConfig:
+    batch_size: int = 64
+    val_batch_size: int = 128
+    base_res: int = 32
+    lowres_res: int = 24
+    lowres_epochs: int = 0
+    val_res: int = 32
+    train_size: Optional[int] = None  # overrides data.train_size (decides the last-batch variants)
+    val_size: Optional[int] = None
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 2
+    max_steps: Optional[int] = None
+    log_every: int = 20
+    label_smoothing: float = 0.0
+    val_every: int = 1
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    sema_every: int = 0              # copy EMA into the live weights every N epochs (0: never)
+    loss_scale: float = 65536.0      # fp16 only: initial dynamic loss scale
+    loss_scale_growth_interval: int = 2000
+    max_nonfinite: int = 3
+    progress: bool = True
+
+
+@dataclass
+class RuntimeConfig:
+    device: Device = Device.auto
+    cuda_graph: bool = True
+    compile: CompileMode = CompileMode.none
+    deterministic: bool = False
+    warmup_steps: int = 3
+    channels_last: bool = True
+
+
+@dataclass
+class PlanSection:
+    bn_folded: bool = False
+    format: PlanFormat = PlanFormat.table
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    variants: VariantsConfig = field(default_factory=VariantsConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    plan: PlanSection = field(default_factory=PlanSection)
+    recipe: Optional[Any] = None
+    amp: bool = False
+    amp_dtype: AmpDtype = AmpDtype.bf16
+    ema: bool = False
+    ema_decay: float = 0.9999
+    ema_warmup: bool = True
+    seed: int = 0
+    resume: Optional[str] = None
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="tr_hydra_schema", node=Config)

@@ -1,0 +1,105 @@
+"""Model registry: lookup by name, never by importing user-given callables."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+import torchvision
+
+from tr_hydra.errors import ConfigError
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(name: str):
+    def deco(fn):
+        _MODELS[name] = fn
+        return fn
+    return deco
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def build_model(name: str, num_classes: int, *, zero_init_residual: bool = False, width: int = 16) -> nn.Module:
+    try:
+        fn = _MODELS[name]
+    except KeyError:
+        raise ConfigError(f"model={name} is unknown; choose one of {', '.join(model_names())}") from None
+    return fn(num_classes=num_classes, zero_init_residual=zero_init_residual, width=width)
+
+
+@register_model("resnet18")
+def resnet18(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+    return torchvision.models.resnet18(num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+@register_model("resnet34")
+def resnet34(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+    return torchvision.models.resnet34(num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+@register_model("resnet50")
+def resnet50(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+    return torchvision.models.resnet50(num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+def cifar_stem(model: nn.Module) -> nn.Module:
+    """3x3 stride-1 stem without max-pool: the usual change for 32x32 images."""
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.maxpool = nn.Identity()
+    return model
+
+
+@register_model("resnet18_cifar")
+def resnet18_cifar(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+    return cifar_stem(torchvision.models.resnet18(num_classes=num_classes,
+                                                  zero_init_residual=zero_init_residual))
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        idt = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + idt)
+
+
+class ResNetMini(nn.Module):
+    """Stem, two residual stages, global pool, fc: small enough for CPU tests, same parts as a ResNet."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = _Block(width, width, 1)
+        self.layer2 = _Block(width, 2 * width, 2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+@register_model("resnet_mini")
+def resnet_mini(num_classes: int, width: int = 16, **_) -> nn.Module:
+    return ResNetMini(num_classes=num_classes, width=width)

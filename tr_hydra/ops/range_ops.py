@@ -1,0 +1,105 @@
+"""Plain-torch reference implementation of the range ops.
+
+Every op takes flat views over a whole region span (resolved once by the executor) and device
+scalars of shape [1]; none loops over parameters and none synchronises with the host, so all of
+them run inside a captured CUDA graph. They are the CPU path and the reference the fast GPU
+kernels are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64  # fp32 elements per 256-byte block: no block straddles two tensors
+
+
+def clear(buf: torch.Tensor) -> None:
+    buf.zero_()
+
+
+def d2d_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def cast(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """fp32 <-> 16-bit twin spans (element i of one is element i of the other); optional scale."""
+    if scale is None:
+        dst.copy_(src)
+    else:
+        dst.copy_(src.float() * scale)
+
+
+def scale_inplace(buf: torch.Tensor, scale: torch.Tensor) -> None:
+    buf.mul_(scale)
+
+
+def check_nonfinite(span: torch.Tensor, flag: torch.Tensor) -> None:
+    """flag = 1.0 if the span holds any NaN/inf, else 0.0 (one reduction; NaN and inf propagate)."""
+    flag.copy_((~torch.isfinite(span.sum(dtype=torch.float32))).float().view(1))
+
+
+def accum_metrics(acc: torch.Tensor, result: torch.Tensor) -> None:
+    acc.add_(result)
+
+
+def ema_update(ema: torch.Tensor, live: torch.Tensor, decay: torch.Tensor) -> None:
+    """ema = decay * ema + (1 - decay) * live."""
+    ema.lerp_(live, 1.0 - decay)
+
+
+def ema_decay_at(decay: torch.Tensor, step: torch.Tensor, warmup: bool) -> torch.Tensor:
+    """Decay with the usual warm-up min(decay, (1 + t) / (10 + t))."""
+    if not warmup:
+        return decay
+    return torch.minimum(decay, (1.0 + step) / (10.0 + step))
+
+
+def bn_fold(eq_bias: torch.Tensor, eq_scale: torch.Tensor, bn_bias: torch.Tensor,
+            bn_weight: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float) -> None:
+    """Per-channel affine equivalent to eval-mode BN, over the whole BN span at once."""
+    torch.mul(bn_weight, torch.rsqrt(var + eps), out=eq_scale)
+    torch.sub(bn_bias, mean * eq_scale, out=eq_bias)
+
+
+def update_loss_scale(scale: torch.Tensor, inv_scale: torch.Tensor, tracker: torch.Tensor,
+                      found_inf: torch.Tensor, growth_interval: int,
+                      growth: float = 2.0, backoff: float = 0.5) -> None:
+    """Dynamic loss scaling: halve on inf/NaN, double after ``growth_interval`` clean steps."""
+    found = found_inf > 0
+    nxt = tracker + 1
+    grow = nxt >= growth_interval
+    scale.copy_(torch.where(found, scale * backoff, torch.where(grow, scale * growth, scale)))
+    tracker.copy_(torch.where(found | grow, torch.zeros_like(tracker), nxt))
+    inv_scale.copy_(1.0 / scale)
+
+
+@dataclass
+class Segments:
+    """Compile-time segment table of a span: the tensor index of every 64-element block."""
+    block_ids: torch.Tensor  # int64 [n_blocks]
+    ends: torch.Tensor       # int64 [count]: index of each tensor's last block
+    count: int
+
+    @classmethod
+    def from_sizes(cls, slot_elems: list[int], device) -> "Segments":
+        ids, ends, total = [], [], 0
+        for i, n in enumerate(slot_elems):
+            if n % BLOCK:
+                raise ValueError(f"slot of {n} elements is not a multiple of {BLOCK}")
+            ids += [i] * (n // BLOCK)
+            total += n // BLOCK
+            ends.append(total - 1)
+        return cls(torch.tensor(ids, dtype=torch.int64, device=device),
+                   torch.tensor(ends, dtype=torch.int64, device=device), len(slot_elems))
+
+    def sum_sq(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-tensor sum of squares: block sums, then a float64 prefix sum read at segment ends
+        (deterministic, unlike atomics)."""
+        blocks = x.float().view(-1, BLOCK).pow(2).sum(1, dtype=torch.float64)
+        at_end = blocks.cumsum(0).index_select(0, self.ends)
+        return torch.diff(at_end, prepend=at_end.new_zeros(1)).float()
+
+    def expand(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """[count] -> [n_blocks, 1], to broadcast over a span viewed as [n_blocks, 64]."""
+        return per_tensor.index_select(0, self.block_ids).unsqueeze(1)

@@ -1,0 +1,317 @@
+"""StepExecutor: runs the StepProgram over the arena.
+
+Every node is resolved once, at construction, into a closure over fixed arena views; a step is
+then a walk over those closures. On CPU it runs eagerly; on CUDA the same walk is what
+``CudaGraphs`` captures, one graph per variant and input buffer.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tr_hydra.compiler.compile import Compiled
+from tr_hydra.compiler.program import Node
+from tr_hydra.memory.arena import ArenaKeeper
+from tr_hydra.memory.plan import RESULT_FIELDS
+from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
+from tr_hydra.ops import range_ops as ops
+from tr_hydra.ops.optimizers import HyperScalars, apply_update
+
+R = Region
+BUFFERS = ("A", "B")
+
+
+@dataclass
+class StepContext:
+    variant: str
+    buffer: str
+    logits: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class StepExecutor:
+    def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
+                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
+        self.model = model
+        self.forward_fn = forward or model
+        self.device = arena.device
+        self.amp = self.pc.amp
+        self.fp16 = self.pc.amp and self.pc.amp_dtype == "fp16"
+        pl = self.plan
+
+        def scalar(name):
+            return arena.view(pl["scalar." + name]).view(1)
+
+        self.s = {n: scalar(n) for n in ("lr", "momentum", "beta1", "beta2", "eps", "weight_decay",
+                                         "bias_weight_decay", "trust_coefficient", "step",
+                                         "loss_scale", "inv_loss_scale", "found_inf", "ema_decay",
+                                         "nonfinite", "skipped", "growth_tracker", "step_count")}
+        self.h = HyperScalars(lr=self.s["lr"], momentum=self.s["momentum"], beta1=self.s["beta1"],
+                              beta2=self.s["beta2"], eps=self.s["eps"], step=self.s["step"],
+                              trust_coefficient=self.s["trust_coefficient"])
+        self.result = arena.view(pl["result.step"]).view(-1)
+        self.acc = {n: arena.view(pl["result." + n]).view(-1) for n in ("train", "val", "val_ema")}
+        self.nonfinite_mask = arena.view(pl["mask.nonfinite_regions"]).view(-1)
+        self._segments = None
+        if self.pc.optimizer.name == "lars":
+            elems = [t.slot_bytes // 4 for k in MATRIX_KINDS for t in pl.tensors_in(R[f"W_{k}"])]
+            self._segments = ops.Segments.from_sizes(elems, self.device)
+        self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
+        self._eq_views = None
+        if self.pc.bn_folded:
+            self._eq_views = {bn.module: (arena.torch_view(pl["eq_scale." + bn.module]),
+                                          arena.torch_view(pl["eq_bias." + bn.module]))
+                              for bn in self.c.model_map.bns}
+        self.train_ops = [self._resolve(n) for n in compiled.program.train]
+        self.val_ops = [self._resolve(n) for n in compiled.program.val]
+        self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
+        self.init_scalars()
+
+    # ------------------------------------------------------------------ views
+    def input_views(self, variant: str, buffer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images NHWC, labels [b]) of one input buffer in a variant's shape."""
+        img = self.arena.view(self.plan[f"input_{buffer}.data"], variant)
+        lab = self.arena.view(self.plan[f"input_{buffer}.label"], variant).view(-1)
+        return img, lab
+
+    def _variant_view(self, name: str, variant: str) -> torch.Tensor:
+        t = self.plan[name]
+        v = self.arena.view(t, variant)
+        return v.view(v.shape[0], v.shape[3])
+
+    def init_scalars(self) -> None:
+        o = self.pc.optimizer
+        wd = o.weight_decay
+        values = {"momentum": o.momentum, "beta1": o.betas[0], "beta2": o.betas[1], "eps": o.eps,
+                  "weight_decay": wd, "bias_weight_decay": 0.0 if o.wd_exclude_bn_bias else wd,
+                  "trust_coefficient": o.trust_coefficient, "step": 0.0,
+                  "loss_scale": self.pc.trainer.loss_scale if self.fp16 else 1.0,
+                  "inv_loss_scale": 1.0 / self.pc.trainer.loss_scale if self.fp16 else 1.0,
+                  "found_inf": 0.0, "ema_decay": self.pc.ema_decay, "nonfinite": 0.0, "skipped": 0.0,
+                  "lr": o.lr, "growth_tracker": 0, "step_count": 0}
+        with torch.no_grad():
+            for k, v in values.items():
+                self.s[k].fill_(v)
+
+    def set_lr(self, lr: float) -> None:
+        self.s["lr"].fill_(lr)  # between steps; the captured graphs read the scalar
+
+    # ------------------------------------------------------------------ resolution
+    def _span(self, span, dtype=None):
+        return self.arena.span(span[0], span[1], dtype)
+
+    def _resolve(self, n: Node) -> Callable[[StepContext], None]:
+        op = n.op
+        if op == "read_input":
+            return lambda ctx: None  # the feeder wrote the buffer; forward reads it
+        if op == "forward_loss":
+            return self._forward_loss
+        if op == "forward_eval":
+            return self._forward_eval
+        if op == "backward":
+            return self._backward
+        if op == "advance_step":
+            gated = bool(n.arg("gate"))
+            step, count, found = self.s["step"], self.s["step_count"], self.s["found_inf"]
+            def advance(ctx):
+                inc = (1.0 - found) if gated else 1.0
+                step.add_(inc)
+                count.add_(inc.to(torch.int32) if gated else 1)
+            return advance
+        if op == "RANGE_CLEAR":
+            buf = self._span(n.spans[0], torch.uint8)
+            return lambda ctx: ops.clear(buf)
+        if op == "RANGE_MEAN_ALLREDUCE":
+            return lambda ctx: None  # one process: nothing to reduce
+        if op in ("RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"):
+            dst, src = self._span(n.spans[0]), self._span(n.spans[1])
+            scale = self.s[n.arg("scale")] if n.arg("scale") else None
+            return lambda ctx: ops.cast(dst, src, scale)
+        if op == "RANGE_GRAD_SCALING":
+            if n.arg("update"):
+                s, inv, tr, fi = self.s["loss_scale"], self.s["inv_loss_scale"], self.s["growth_tracker"], self.s["found_inf"]
+                interval = self.pc.trainer.loss_scale_growth_interval
+                return lambda ctx: ops.update_loss_scale(s, inv, tr, fi, interval)
+            buf, scale = self._span(n.spans[0]), self.s[n.arg("scale")]
+            return lambda ctx: ops.scale_inplace(buf, scale)
+        if op == "RANGE_CHECK_NAN":
+            span, flag = self._span(n.spans[0]), self.s["found_inf"]
+            counter = self.s["skipped"] if n.arg("gate") else self.s["nonfinite"]
+            def check(ctx):
+                ops.check_nonfinite(span, flag)
+                counter.add_(flag)
+            return check
+        if op.startswith("RANGE_UPDATE_"):
+            return self._resolve_update(n)
+        if op == "RANGE_EMA_PARAM_UPDATE":
+            dst, src = self._span(n.spans[0]), self._span(n.spans[1])
+            decay, step, warm = self.s["ema_decay"], self.s["step"], self.pc.ema_warmup
+            return lambda ctx: ops.ema_update(dst, src, ops.ema_decay_at(decay, step, warm))
+        if op == "RANGE_ACCUM_METRICS":
+            into = n.arg("into")
+            res = self.result
+            def accum(ctx):
+                ops.accum_metrics(self.acc[ctx.extra.get("into", into)], res)
+            return accum
+        if op == "RANGE_BN_FOLD":
+            eqb, eqs = self.arena.span(R.W_EQ_BIAS), self.arena.span(R.W_EQ_SCALE)
+            bb, bw = self.arena.span(R.W_BN_BIAS), self.arena.span(R.W_BN_WEIGHT)
+            mean, var = self.arena.span(R.B_PREV_MEAN), self.arena.span(R.B_PREV_VAR)
+            eps = self._bn_eps
+            return lambda ctx: ops.bn_fold(eqb, eqs, bb, bw, mean, var, eps)
+        raise NotImplementedError(f"no executor for node {op}")
+
+    def _resolve_update(self, n: Node):
+        w, g = self._span(n.spans[0]), self._span(n.spans[1])
+        states = [self._span(s) for s in n.spans[2:]]
+        extra = {}
+        if n.op == "RANGE_UPDATE_WEIGHT_LARS":
+            extra = {"segments": self._segments, "norms": states.pop()}
+        wd = self.s[n.arg("wd")]
+        gate = self.s[n.arg("gate")] if n.arg("gate") else None
+        op, h = n.op, self.h
+        return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
+
+    # ------------------------------------------------------------------ compute nodes
+    def _model_input(self, ctx: StepContext):
+        img, lab = self.input_views(ctx.variant, ctx.buffer)
+        return img.permute(0, 3, 1, 2), lab
+
+    def _autocast(self):
+        if not self.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.arena.half_dtype)
+
+    def _loss_metrics(self, ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor, train: bool):
+        b, k = logits.shape
+        feat = self._variant_view("logits", ctx.variant)
+        feat.copy_(logits.detach())
+        lf = feat.float()
+        y = labels.long()
+        eps = self.pc.trainer.label_smoothing if train else 0.0
+        dist = self._variant_view("temp.label_dist", ctx.variant)
+        dist.fill_(eps / k)
+        dist.scatter_(1, y.unsqueeze(1), 1.0 - eps + eps / k)
+        logp = F.log_softmax(lf, dim=1)
+        loss_sum = -(dist * logp).sum()
+        if train:  # d(mean loss)/d logits, times the loss scale (1 unless fp16)
+            gslot = self._variant_view("grad_slot0", ctx.variant)
+            gslot.copy_((logp.exp() - dist) * (self.s["loss_scale"] / b))
+        pred = lf.argmax(1)
+        self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1).copy_(pred)
+        top = lf.topk(min(5, k), dim=1).indices
+        correct1 = (pred == y).sum()
+        correct5 = (top == y.unsqueeze(1)).any(1).sum()
+        self.result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(),
+                                       torch.full_like(loss_sum, b)]))
+
+    def _forward_loss(self, ctx: StepContext) -> None:
+        x, y = self._model_input(ctx)
+        with self._autocast():
+            logits = self.forward_fn(x)
+        self._loss_metrics(ctx, logits, y, train=True)
+        ctx.logits = logits
+
+    def _backward(self, ctx: StepContext) -> None:
+        logits, ctx.logits = ctx.logits, None
+        logits.backward(self._variant_view("grad_slot0", ctx.variant))
+
+    def _forward_eval(self, ctx: StepContext) -> None:
+        x, y = self._model_input(ctx)
+        with torch.no_grad(), self._autocast():
+            logits = self.forward_fn(x)
+            self._loss_metrics(ctx, logits, y, train=False)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, variant: str, buffer: str = "A") -> None:
+        ctx = StepContext(variant, buffer)
+        for fn in self.train_ops:
+            fn(ctx)
+
+    def val_step(self, variant: str, buffer: str = "A", into: str = "val") -> None:
+        ctx = StepContext(variant, buffer, extra={"into": into})
+        with torch.no_grad():
+            for fn in self.val_ops:
+                fn(ctx)
+
+    def before_validation(self) -> None:
+        with torch.no_grad():
+            for fn in self.val_prologue_ops:
+                fn(StepContext("", "A"))
+
+    @contextlib.contextmanager
+    def folded(self):
+        """Validation with BN replaced by the per-channel affine in W_EQ_SCALE / W_EQ_BIAS."""
+        if self._eq_views is None:
+            yield
+            return
+        modules = dict(self.model.named_modules())
+        saved = {}
+        for name, (scale, bias) in self._eq_views.items():
+            m = modules[name]
+            saved[name] = m.forward
+            def folded_forward(x, _s=scale, _b=bias):
+                return x * _s.view(1, -1, 1, 1).to(x.dtype) + _b.view(1, -1, 1, 1).to(x.dtype)
+            m.forward = folded_forward
+        try:
+            yield
+        finally:
+            for name, fwd in saved.items():
+                modules[name].forward = fwd
+
+    # ------------------------------------------------------------------ EMA and metrics
+    def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        tmp = a.clone()
+        a.copy_(b)
+        b.copy_(tmp)
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """Run the live model with the EMA weights (and EMA BN statistics), then swap back."""
+        a = self.arena
+        with torch.no_grad():
+            pairs = [(a.span(R.B_PREV_MEAN, R.B_PREV_VAR), a.span(R.B_NEXT_MEAN, R.B_NEXT_VAR))]
+            if self.amp:
+                # 16-bit EMA twins (E16) stand in for the compute weights (A)
+                ops.cast(a.span(*series_span("E16", MATRIX_KINDS)), a.span(*series_span("E", MATRIX_KINDS)))
+                pairs.append((a.span(*series_span("A", MATRIX_KINDS)), a.span(*series_span("E16", MATRIX_KINDS))))
+                pairs.append((a.span(*series_span("W", BIAS_KINDS)), a.span(*series_span("E", BIAS_KINDS))))
+            else:
+                pairs.append((a.span(*series_span("W", PARAM_KINDS)), a.span(*series_span("E", PARAM_KINDS))))
+            for x, y in pairs:
+                self._swap(x, y)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for x, y in pairs:
+                    self._swap(x, y)
+
+    def sema_switch(self) -> None:
+        """RANGE_SEMA_SWITCH: the EMA weights and statistics become the live ones."""
+        a = self.arena
+        with torch.no_grad():
+            ops.d2d_copy(a.span(*series_span("W", PARAM_KINDS)), a.span(*series_span("E", PARAM_KINDS)))
+            ops.d2d_copy(a.span(R.B_PREV_MEAN, R.B_PREV_VAR), a.span(R.B_NEXT_MEAN, R.B_NEXT_VAR))
+            if self.amp:
+                ops.cast(a.span(*series_span("A", MATRIX_KINDS)), a.span(*series_span("W", MATRIX_KINDS)))
+
+    def read_metrics(self, name: str, reset: bool = True) -> dict[str, float]:
+        """One host read of an accumulator: mean loss, top1, top5 (percent), sample count."""
+        acc = self.acc[name]
+        vals = acc.tolist()
+        if reset:
+            acc.zero_()
+        d = dict(zip(RESULT_FIELDS, vals))
+        n = max(d["count"], 1.0)
+        return {"loss": d["loss_sum"] / n, "top1": 100.0 * d["correct1"] / n,
+                "top5": 100.0 * d["correct5"] / n, "count": d["count"]}
+
+    def scalar(self, name: str) -> float:
+        return float(self.s[name].item())

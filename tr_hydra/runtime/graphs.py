@@ -1,0 +1,63 @@
+"""Whole-step CUDA graphs: one per (variant, input buffer), all in one memory pool, so the
+activation memory is the max over variants, not the sum."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tr_hydra.runtime.executor import BUFFERS, StepExecutor
+
+
+class CudaGraphs:
+    def __init__(self, executor: StepExecutor):
+        self.ex = executor
+        self.pool = torch.cuda.graph_pool_handle()
+        self.train: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
+        self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+
+    def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int) -> None:
+        """Warm up eagerly on a side stream (cuDNN autotuning, lazy init, Inductor compiles), then
+        capture. Warm-up changes weights and statistics, so the arena is restored afterwards."""
+        t0 = time.perf_counter()
+        ex, model = self.ex, self.ex.model
+        snapshot = ex.arena.arena.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for v in train_variants:
+                for _ in range(max(warmup_steps, 1)):
+                    ex.train_step(v, "A")
+            model.eval()
+            with ex.folded():
+                for v in val_variants:
+                    ex.val_step(v, "A")
+            model.train()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for v in train_variants:
+            for buf in BUFFERS:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    ex.train_step(v, buf)
+                self.train[(v, buf)] = g
+        model.eval()
+        with ex.folded():
+            for v in val_variants:
+                for buf in BUFFERS:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        ex.val_step(v, buf)
+                    self.val[(v, buf)] = g
+        model.train()
+        ex.arena.arena.copy_(snapshot)
+        del snapshot
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def train_step(self, variant: str, buffer: str) -> None:
+        self.train[(variant, buffer)].replay()
+
+    def val_step(self, variant: str, buffer: str) -> None:
+        self.val[(variant, buffer)].replay()

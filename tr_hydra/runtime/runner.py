@@ -1,0 +1,278 @@
+"""Runner: compile, allocate, bind, capture, then epochs of replayed steps and validation."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tr_hydra.compiler.compile import Compiled, compile_plan, instantiate_model
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.errors import ConfigError
+from tr_hydra.memory.arena import ArenaKeeper
+from tr_hydra.memory.dtensor import DType
+from tr_hydra.runtime.executor import StepExecutor
+from tr_hydra.runtime.feeder import Feeder
+from tr_hydra.runtime.schedule import lr_at
+
+
+def pick_device(pc: PlanConfig) -> torch.device:
+    want = pc.runtime.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device=cuda: no CUDA device is available (use runtime.device=cpu)")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def set_determinism(pc: PlanConfig) -> None:
+    if pc.runtime.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def load_init(model: torch.nn.Module, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"model.init_from: {path} is not a file")
+    try:
+        sd = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # a corrupt or non-tensor file
+        raise ConfigError(f"model.init_from: {path} is not a loadable state_dict ({type(e).__name__})") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"model.init_from: {path} does not fit the model: {first[1].strip() if len(first) > 1 else first[0]}") from None
+
+
+def epoch_schedule(pc: PlanConfig, epoch: int) -> list[tuple[str, int, int]]:
+    """(variant, batch index, batch size) of every step of an epoch, in order."""
+    low = epoch < pc.lowres_epochs
+    base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
+    full = pc.train_size // pc.batch_size
+    steps = [(base, i, pc.batch_size) for i in range(full)]
+    if pc.has_variant(last):
+        steps.append((last, full, pc.variant(last).batch))
+    return steps
+
+
+def val_schedule(pc: PlanConfig) -> list[tuple[str, int, int]]:
+    if not pc.has_variant("val_base"):
+        return []
+    vb = pc.variant("val_base").batch
+    steps = [("val_base", i, vb) for i in range(pc.val_size // vb)]
+    if pc.has_variant("val_last"):
+        steps.append(("val_last", len(steps), pc.variant("val_last").batch))
+    return steps
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class TrainResult:
+    epochs: list[dict] = field(default_factory=list)
+    steps: int = 0
+    img_per_sec: float = 0.0
+    arena_bytes: int = 0
+    capture_seconds: float = 0.0
+    peak_device_bytes: int = 0
+    final_path: str | None = None
+
+
+class Trainer:
+    def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print):
+        self.pc, self.run_dir, self.log = pc, Path(run_dir), log
+        self.device = pick_device(pc)
+        set_determinism(pc)
+        self.compiled: Compiled = compile_plan(pc)
+        torch.manual_seed(pc.seed)
+        model = instantiate_model(pc, "cpu")
+        if pc.model.init_from:
+            load_init(model, pc.model.init_from)
+        model = model.to(self.device)
+        if pc.runtime.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        half = torch.float16 if pc.amp_dtype == "fp16" else torch.bfloat16
+        self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
+        self.arena.bind(model, pc.amp, pc.ema)
+        forward = model
+        if pc.runtime.compile == "inductor":
+            import torch._dynamo as dynamo
+            for knob in ("cache_size_limit", "recompile_limit"):
+                if hasattr(dynamo.config, knob):
+                    setattr(dynamo.config, knob, 64)
+            forward = torch.compile(model, dynamic=False)
+        self.ex = StepExecutor(self.compiled, self.arena, model, forward)
+        self.feeder = Feeder(self.ex)
+        self.source = self._make_source()
+        self.graphs = None
+        self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
+        self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
+        if pc.trainer.max_steps:
+            self.total_steps = min(self.total_steps, pc.trainer.max_steps)
+
+    def _make_source(self):
+        pc = self.pc
+        if pc.data.name != "synthetic":
+            raise ConfigError(f"data={pc.data.name}: this build trains on data=synthetic only; "
+                              f"the image pipelines are not part of it")
+        from tr_hydra.data.synthetic import SyntheticSource
+        dt = self.arena.torch_dtype(DType.FP16 if pc.amp else DType.FP32)
+        return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed, self.device, dt,
+                               pc.train_size, pc.val_size)
+
+    # ------------------------------------------------------------------ steps
+    def _train_step(self, variant: str, buf: str) -> None:
+        if self.graphs is not None:
+            self.graphs.train_step(variant, buf)
+        else:
+            self.ex.train_step(variant, buf)
+
+    def _val_step(self, variant: str, buf: str) -> None:
+        if self.graphs is not None:
+            self.graphs.val_step(variant, buf)
+        else:
+            self.ex.val_step(variant, buf)
+
+    def capture(self) -> None:
+        pc = self.pc
+        if self.device.type != "cuda" or not pc.runtime.cuda_graph:
+            return
+        from tr_hydra.runtime.graphs import CudaGraphs
+        self.graphs = CudaGraphs(self.ex)
+        train_v = [v.name for v in pc.variants if v.train]
+        val_v = [v.name for v in pc.variants if not v.train]
+        self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps)
+        self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
+                 f"in {self.graphs.capture_seconds:.1f}s")
+
+    def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
+                  on_step=None) -> int:
+        """Feed and run ``steps``; the next batch is copied into the idle buffer during each step."""
+        if not steps:
+            return 0
+        src = self.source
+        def batch(s):
+            v, i, size = s
+            return src.batch(split, i, self.pc.batch_size if split == "train" else
+                             self.pc.variant("val_base").batch, size, self.pc.variant(v).res)
+        bufs = ("A", "B")
+        self.feeder.put("A", steps[0][0], *batch(steps[0]))
+        for k, s in enumerate(steps):
+            buf = bufs[k % 2]
+            if split == "train":
+                self.ex.set_lr(lr_at(self.pc.optimizer, step0 + k, self.steps_per_epoch, self.total_steps))
+            self.feeder.before_step(buf)
+            if k + 1 < len(steps):
+                self.feeder.put(bufs[(k + 1) % 2], steps[k + 1][0], *batch(steps[k + 1]))
+            if split == "train":
+                self._train_step(s[0], buf)
+            else:
+                self._val_step(s[0], buf)
+            self.feeder.after_step(buf)
+            if on_step:
+                on_step(k)
+        return len(steps)
+
+    def validate(self) -> dict[str, dict]:
+        out = {}
+        self.ex.before_validation()
+        self.model.eval()
+        with self.ex.folded():
+            self.run_steps(val_schedule(self.pc), "val")
+            out["val"] = self.ex.read_metrics("val")
+            if self.pc.ema:
+                with self.ex.ema_weights():
+                    if self.pc.bn_folded:
+                        self.ex.before_validation()
+                    self.run_steps(val_schedule(self.pc), "val")
+                if self.pc.bn_folded:
+                    self.ex.before_validation()
+                self.ex.acc["val_ema"].copy_(self.ex.acc["val"])
+                self.ex.acc["val"].zero_()
+                out["val_ema"] = self.ex.read_metrics("val_ema")
+        self.model.train()
+        return out
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> TrainResult:
+        pc = self.pc
+        res = TrainResult(arena_bytes=self.compiled.plan.total_bytes)
+        self.capture()
+        res.capture_seconds = self.graphs.capture_seconds if self.graphs else 0.0
+        step, images, train_time = 0, 0, 0.0
+        self.model.train()
+        for epoch in range(pc.trainer.epochs):
+            sched = epoch_schedule(pc, epoch)
+            if pc.trainer.max_steps:
+                sched = sched[:max(pc.trainer.max_steps - step, 0)]
+            if not sched:
+                break
+            self._sync()
+            t0 = time.perf_counter()
+            self.run_steps(sched, "train", step0=step)
+            self._sync()
+            dt = time.perf_counter() - t0
+            n_img = sum(s[2] for s in sched)
+            step, images, train_time = step + len(sched), images + n_img, train_time + dt
+            rec = {"epoch": epoch + 1, "step": step, "train": self.ex.read_metrics("train"),
+                   "img_per_sec": n_img / dt, "lr": self.ex.scalar("lr")}
+            if pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
+                self.ex.sema_switch()
+            if (epoch + 1) % pc.trainer.val_every == 0 or epoch + 1 == pc.trainer.epochs:
+                rec.update(self.validate())
+            rec["nonfinite"] = self.ex.scalar("nonfinite")
+            rec["skipped"] = self.ex.scalar("skipped")
+            res.epochs.append(rec)
+            self.log(format_epoch(rec))
+        res.steps = step
+        res.img_per_sec = images / train_time if train_time else 0.0
+        if self.device.type == "cuda":
+            res.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        res.final_path = str(self.save_final())
+        return res
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def final_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.arena.state_dict_from_arena(self.model, int(self.ex.scalar("step_count")))
+
+    def save_final(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "model_final.pt"
+        atomic_save(self.final_state_dict(), path)
+        return path
+
+
+def format_epoch(rec: dict) -> str:
+    t = rec["train"]
+    s = (f"epoch {rec['epoch']:>3}  step {rec['step']:>6}  train loss {t['loss']:.4f} "
+         f"top1 {t['top1']:6.2f} top5 {t['top5']:6.2f}  {rec['img_per_sec']:9.1f} img/s  lr {rec['lr']:.4g}")
+    for k in ("val", "val_ema"):
+        if k in rec:
+            v = rec[k]
+            s += f"  | {k} loss {v['loss']:.4f} top1 {v['top1']:6.2f} top5 {v['top5']:6.2f}"
+    if rec.get("skipped"):
+        s += f"  skipped {int(rec['skipped'])}"
+    return s
