@@ -39,7 +39,7 @@ class StepExecutor:
                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
         self.model = model
-        self.forward_fn = forward or model
+        self.forward_fn = forward if forward is not None else model
         self.device = arena.device
         self.amp = self.pc.amp
         self.fp16 = self.pc.amp and self.pc.amp_dtype == "fp16"

@@ -22,7 +22,8 @@ class CudaGraphs:
         capture. Warm-up changes weights and statistics, so the arena is restored afterwards."""
         t0 = time.perf_counter()
         ex, model = self.ex, self.ex.model
-        snapshot = ex.arena.arena.clone()
+        # host copy: a device copy would add the arena's size to the peak memory
+        snapshot = ex.arena.arena.to("cpu", copy=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

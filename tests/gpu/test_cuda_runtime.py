@@ -1,0 +1,94 @@
+"""CUDA: capture, replay equal to the eager step, all six variants, fp16 skip, no allocations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import small_config
+from tr_hydra.config.plan_config import OptimizerSpec
+from tr_hydra.runtime.runner import Trainer, epoch_schedule
+
+pytestmark = pytest.mark.cuda
+
+
+def _train(pc, tmp_path, name):
+    tr = Trainer(pc, tmp_path / name, log=lambda *_: None)
+    tr.fit()
+    return tr
+
+
+@pytest.mark.parametrize("amp_dtype", ["bf16", "fp16"])
+def test_graph_replay_matches_eager(tmp_path, amp_dtype):
+    kw = dict(amp=True, amp_dtype=amp_dtype, device="cuda", max_steps=12, epochs=2)
+    eager = _train(small_config(cuda_graph=False, **kw), tmp_path, "eager")
+    graph = _train(small_config(cuda_graph=True, **kw), tmp_path, "graph")
+    assert graph.graphs is not None and eager.graphs is None
+    a, b = eager.final_state_dict(), graph.final_state_dict()
+    for k in a:
+        if a[k].is_floating_point():
+            err = (a[k] - b[k]).abs().max().item()
+            scale = a[k].abs().max().item() + 1e-6
+            assert err / scale < 2e-2, (k, err, scale)
+
+
+def test_all_six_variants_captured_and_run(tmp_path):
+    pc = small_config(device="cuda", train_size=200, batch=32, val_size=70, val_batch=32,
+                      lowres_epochs=1, epochs=2, amp=True, ema=True, bn_folded=True)
+    assert [v.name for v in pc.variants] == ["train_base", "train_last", "train_lowres",
+                                            "train_lowres_last", "val_base", "val_last"]
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    res = tr.fit()
+    assert len(tr.graphs.train) == 8 and len(tr.graphs.val) == 4
+    for rec in res.epochs:
+        assert rec["train"]["count"] > 0
+        assert rec["val"]["count"] == 70 and rec["val_ema"]["count"] == 70
+
+
+def test_fp16_inf_skips_update_on_graph(tmp_path):
+    pc = small_config(device="cuda", amp=True, amp_dtype="fp16", max_steps=1,
+                      optimizer=OptimizerSpec(name="adam", lr=1e-3, schedule="constant"))
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    tr.capture()
+    tr.run_steps(epoch_schedule(pc, 0)[:2], "train")
+    before = tr.arena.arena.clone()
+    scale = tr.ex.scalar("loss_scale")
+    img, lab = tr.ex.input_views("train_base", "A")
+    img.fill_(float("inf"))
+    tr.graphs.train_step("train_base", "A")
+    torch.cuda.synchronize()
+    assert tr.ex.scalar("found_inf") == 1.0
+    assert tr.ex.scalar("loss_scale") == scale / 2
+    from tr_hydra.memory.regions import Region as R
+    for start, end in [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.V_BN_BIAS, R.V_DEEP_CONV)]:
+        off, n = tr.compiled.plan.region_range(start, end)
+        assert torch.equal(before[off:off + n], tr.arena.arena[off:off + n]), start.name
+
+
+def test_no_allocations_after_capture(tmp_path):
+    pc = small_config(device="cuda", train_size=200, batch=32, lowres_epochs=1, epochs=2, amp=True)
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    tr.capture()
+    steps = []
+    for e in (0, 1):
+        steps += epoch_schedule(pc, e)
+    tr.run_steps(steps, "train")  # first replays
+    torch.cuda.synchronize()
+    s0 = torch.cuda.memory_stats()
+    m0 = torch.cuda.memory_allocated()
+    for _ in range(100 // len(steps) + 1):
+        tr.run_steps(steps, "train")
+    torch.cuda.synchronize()
+    s1 = torch.cuda.memory_stats()
+    assert torch.cuda.memory_allocated() == m0
+    assert s1["allocation.all.allocated"] == s0["allocation.all.allocated"]
+    assert s1["segment.all.allocated"] == s0["segment.all.allocated"]
+
+
+def test_inductor_inside_captured_step_keeps_grads_in_arena(tmp_path):
+    pc = small_config(device="cuda", compile="inductor", amp=True, epochs=2)
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    res = tr.fit()
+    lo, hi = tr.arena.arena.data_ptr(), tr.arena.arena.data_ptr() + tr.arena.arena.numel()
+    for p in tr.model.parameters():
+        assert lo <= p.grad.data_ptr() < hi and lo <= p.data_ptr() < hi
+    assert res.epochs[-1]["train"]["loss"] < res.epochs[0]["train"]["loss"] + 0.5

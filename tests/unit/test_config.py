@@ -1,0 +1,75 @@
+"""Every option of every group composes; bad overrides fail with one line; PlanConfig checks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tr_hydra.cli._common import compose
+from tr_hydra.config.locate import config_dir
+from tr_hydra.config.plan_config import plan_config_from
+from tr_hydra.errors import ConfigError
+
+GROUPS = ["model", "optimizer", "data", "variants", "trainer", "runtime", "plan", "recipe"]
+
+
+def _options(group):
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_option_composes(group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "imagefolder":
+        overrides.append(f"data.root={tmp_path}")
+    if group == "data" and option == "arrays":
+        overrides.append(f"data.path={tmp_path / 'x.npz'}")
+    cfg = compose(overrides)
+    name = getattr(cfg[group], "name", None) if group not in ("recipe",) else None
+    if name is not None:
+        assert str(getattr(name, "value", name)) == option
+    if group not in ("data",):
+        plan_config_from(cfg)  # passes every value check
+
+
+def test_top_level_booleans_and_interpolated_classes():
+    cfg = compose(["optimizer=lars", "amp=true", "ema=true", "model=resnet50"])
+    pc = plan_config_from(cfg)
+    assert pc.amp and pc.ema and pc.optimizer.name == "lars" and pc.model.num_classes == 10
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model=resnet51", "resnet50"),                # unknown option lists the options
+    ("model.foo=1", "foo"),                         # unknown key
+    ("trainer.epochs=abc", "trainer.epochs"),       # wrong type
+    ("optimizer.schedule=linear", "schedule"),      # unknown enum value
+    ("optimizer.lr=-1", "optimizer.lr"),            # range checked by PlanConfig
+    ("variants.batch_size=0", "variants.batch_size"),
+    ("variants.batch_size=100000", "training set size"),
+])
+def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    out = subprocess.run([sys.executable, "-m", "tr_hydra.cli.plan", override], cwd=tmp_path,
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("tr-plan: error:") and needle in lines[0], lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_plan_config_is_frozen_and_fingerprinted():
+    pc = plan_config_from(compose([]))
+    with pytest.raises(Exception):
+        pc.amp = True  # frozen
+    assert pc.fingerprint() == plan_config_from(compose(["optimizer.lr=0.5"])).fingerprint()
+    assert pc.fingerprint() != plan_config_from(compose(["amp=true"])).fingerprint()
+
+
+def test_imagefolder_without_images_is_a_config_error(tmp_path):
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="holds no images"):
+        plan_config_from(compose(["data=imagefolder", f"data.root={tmp_path}"]))
