@@ -1,0 +1,193 @@
+"""Runtime behaviour on CPU: AMP, fp16 loss scaling, EMA, BN folding, variants, metrics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
+from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
+from tr_hydra.runtime.runner import Trainer, epoch_schedule, val_schedule
+from tr_hydra.runtime.schedule import lr_at
+
+from tests.helpers import small_config
+
+
+def _trainer(tmp_path, **kw):
+    return Trainer(small_config(**kw), tmp_path, log=lambda *_: None)
+
+
+def test_bf16_amp_uses_16bit_leaves_and_learns(tmp_path):
+    tr = _trainer(tmp_path, amp=True, epochs=3, train_size=256, val_size=64, res=16)
+    conv = tr.model.layer1.conv1.weight
+    assert conv.dtype == torch.bfloat16 and conv.grad.dtype == torch.bfloat16
+    assert tr.model.bn1.weight.dtype == torch.float32  # BN parameters stay fp32
+    res = tr.fit()
+    assert res.epochs[-1]["train"]["loss"] < res.epochs[0]["train"]["loss"]
+    # after the step, the A region is exactly the cast of the fp32 masters
+    a = tr.arena.span(*series_span("A", MATRIX_KINDS))
+    w = tr.arena.span(*series_span("W", MATRIX_KINDS))
+    assert torch.equal(a, w.to(torch.bfloat16))
+
+
+def test_fp16_inf_skips_update_and_halves_scale(tmp_path):
+    opt = OptimizerSpec(name="adam", lr=1e-3, schedule="constant")
+    tr = _trainer(tmp_path, amp=True, amp_dtype="fp16", optimizer=opt, train_size=64, batch=16, res=8,
+                  val_res=8, lowres_res=8)
+    steps = epoch_schedule(tr.pc, 0)
+    tr.run_steps(steps[:2], "train")
+    assert tr.ex.scalar("found_inf") == 0.0 and tr.ex.scalar("step") == 2.0
+    before = tr.arena.arena.clone()
+    scale = tr.ex.scalar("loss_scale")
+    img, _ = tr.ex.input_views("train_base", "A")
+    img[0, 0, 0, 0] = float("inf")
+    tr.ex.train_step("train_base", "A")
+    assert tr.ex.scalar("found_inf") == 1.0
+    assert tr.ex.scalar("loss_scale") == scale / 2
+    assert tr.ex.scalar("step") == 2.0 and tr.ex.scalar("skipped") == 1.0
+    for start, end in [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.A_FC_WEIGHT, R.A_DEEP_CONV),
+                       (R.M_BN_BIAS, R.M_DEEP_CONV), (R.V_BN_BIAS, R.V_DEEP_CONV)]:
+        off, n = tr.compiled.plan.region_range(start, end)
+        assert torch.equal(before[off:off + n], tr.arena.arena[off:off + n]), start.name
+
+
+def test_fp16_scale_grows_after_clean_steps(tmp_path):
+    trainer = TrainerSpec(epochs=1, loss_scale=1024.0, loss_scale_growth_interval=2)
+    tr = _trainer(tmp_path, amp=True, amp_dtype="fp16", trainer=trainer, train_size=96, batch=16,
+                  res=8, val_res=8, lowres_res=8)
+    tr.run_steps(epoch_schedule(tr.pc, 0)[:5], "train")
+    assert tr.ex.scalar("loss_scale") == 1024.0 * 4  # doubled after steps 2 and 4
+
+
+def test_ema_matches_hand_computed_average(tmp_path):
+    tr = _trainer(tmp_path, ema=True, train_size=160, batch=32)
+    w_span = tr.arena.span(*series_span("W", PARAM_KINDS))
+    e = w_span.clone().double()
+    bn = tr.arena.span(R.B_PREV_MEAN, R.B_PREV_VAR)
+    eb = bn.clone().double()
+    decay = tr.pc.ema_decay
+    for t, s in enumerate(epoch_schedule(tr.pc, 0), start=1):
+        tr.run_steps([s], "train")
+        d = min(decay, (1 + t) / (10 + t))
+        e = d * e + (1 - d) * w_span.double()
+        eb = d * eb + (1 - d) * bn.double()
+    got = tr.arena.span(*series_span("E", PARAM_KINDS)).double()
+    assert torch.allclose(got, e, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(tr.arena.span(R.B_NEXT_MEAN, R.B_NEXT_VAR).double(), eb, rtol=1e-5, atol=1e-7)
+
+
+def test_ema_validation_uses_ema_weights_and_restores_live(tmp_path):
+    tr = _trainer(tmp_path, ema=True, epochs=1)
+    tr.fit()
+    live = tr.arena.arena.clone()
+    out = tr.validate()
+    assert torch.equal(live, tr.arena.arena)  # swapped back bit for bit
+    assert out["val"]["loss"] != out["val_ema"]["loss"]
+
+
+def test_sema_switch_copies_ema_into_live(tmp_path):
+    tr = _trainer(tmp_path, ema=True, amp=True, train_size=96)
+    tr.run_steps(epoch_schedule(tr.pc, 0), "train")
+    tr.ex.sema_switch()
+    assert torch.equal(tr.arena.span(*series_span("W", PARAM_KINDS)), tr.arena.span(*series_span("E", PARAM_KINDS)))
+    assert torch.equal(tr.arena.span(*series_span("A", MATRIX_KINDS)),
+                       tr.arena.span(*series_span("W", MATRIX_KINDS)).to(torch.bfloat16))
+
+
+def test_bn_folding_gives_the_same_logits(tmp_path):
+    tr = _trainer(tmp_path, bn_folded=True, epochs=1)
+    tr.fit()  # running statistics move away from their initial values
+    tr.model.eval()
+    x = torch.randn(8, 3, 16, 16)
+    with torch.no_grad():
+        plain = tr.model(x)
+        tr.ex.before_validation()
+        with tr.ex.folded():
+            folded = tr.model(x)
+    assert torch.allclose(plain, folded, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(plain, folded)  # a different computation, not the same path
+
+
+def test_val_metrics_match_eager_reference(tmp_path):
+    tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32)
+    tr.fit()
+    out = tr.validate()["val"]
+    tr.model.eval()
+    loss = top1 = top5 = n = 0.0
+    with torch.no_grad():
+        for v, i, size in val_schedule(tr.pc):
+            x, y = tr.source.batch("val", i, tr.pc.variant("val_base").batch, size, tr.pc.variant(v).res)
+            logits = tr.model(x.permute(0, 3, 1, 2))
+            loss += F.cross_entropy(logits, y.long(), reduction="sum").item()
+            top1 += (logits.argmax(1) == y).sum().item()
+            top5 += (logits.topk(5, 1).indices == y[:, None]).any(1).sum().item()
+            n += size
+    assert out["count"] == n == 70
+    assert math.isclose(out["loss"], loss / n, rel_tol=1e-5)
+    assert math.isclose(out["top1"], 100 * top1 / n) and math.isclose(out["top5"], 100 * top5 / n)
+
+
+def test_label_smoothing_loss_matches_torch(tmp_path):
+    tr = _trainer(tmp_path, label_smoothing=0.1, train_size=32, batch=32)
+    s = epoch_schedule(tr.pc, 0)[0]
+    x, y = tr.source.batch("train", 0, 32, 32, 16)
+    with torch.no_grad():
+        ref = F.cross_entropy(tr.model(x.permute(0, 3, 1, 2)), y.long(), label_smoothing=0.1).item()
+    tr.run_steps([s], "train")
+    assert math.isclose(tr.ex.read_metrics("train")["loss"], ref, rel_tol=1e-5)
+
+
+def test_six_variants_and_epoch_schedules():
+    pc = small_config(train_size=200, batch=32, val_size=70, val_batch=32, lowres_epochs=2, epochs=3)
+    assert [(v.name, v.batch, v.res) for v in pc.variants] == [
+        ("train_base", 32, 16), ("train_last", 8, 16), ("train_lowres", 32, 12),
+        ("train_lowres_last", 8, 12), ("val_base", 32, 16), ("val_last", 6, 16)]
+    e0, e2 = epoch_schedule(pc, 0), epoch_schedule(pc, 2)
+    assert {v for v, _, _ in e0} == {"train_lowres", "train_lowres_last"}
+    assert {v for v, _, _ in e2} == {"train_base", "train_last"}
+    assert sum(size for _, _, size in e0) == 200  # nothing dropped
+    assert sum(size for _, _, size in val_schedule(pc)) == 70
+
+
+def test_drop_last_removes_last_variants():
+    from tr_hydra.config.plan_config import make_variants
+    vs = make_variants(train_size=200, val_size=64, batch_size=32, val_batch_size=32, base_res=16,
+                       lowres_res=12, lowres_epochs=1, val_res=16, drop_last=True)
+    assert [v.name for v in vs] == ["train_base", "train_lowres", "val_base"]
+
+
+def test_all_six_variants_train_on_cpu(tmp_path):
+    tr = _trainer(tmp_path, train_size=100, batch=32, val_size=40, val_batch=32, lowres_epochs=1,
+                  epochs=2, ema=True, bn_folded=True)
+    res = tr.fit()
+    assert len(res.epochs) == 2 and res.epochs[-1]["val"]["count"] == 40
+    assert res.steps == 8
+
+
+@pytest.mark.parametrize("schedule,expect", [
+    ("constant", [0.05, 0.1, 0.1, 0.1]),
+    ("step", [0.05, 0.1, 0.01, 0.01]),
+    ("cosine", [0.05, 0.1, 0.05, 0.0]),
+    ("poly", [0.05, 0.1, 0.025, 0.0]),
+])
+def test_lr_schedules_with_warmup(schedule, expect):
+    # 10 steps per epoch, 1 warm-up epoch, 3 epochs (30 steps); milestones at epoch 2 for step
+    opt = OptimizerSpec(lr=0.1, schedule=schedule, warmup_epochs=1.0, milestones=(2.0,), gamma=0.1,
+                        poly_power=2.0)
+    got = [lr_at(opt, s, 10, 30) for s in (4, 10, 20, 30)]
+    assert got == pytest.approx(expect, abs=1e-12)
+
+
+def test_max_steps_stops_early(tmp_path):
+    tr = _trainer(tmp_path, epochs=5, max_steps=3)
+    assert tr.fit().steps == 3
+
+
+def test_lr_scalar_changes_without_rebuild(tmp_path):
+    opt = OptimizerSpec(lr=0.1, schedule="cosine")
+    tr = _trainer(tmp_path, optimizer=opt, train_size=128, batch=32)
+    seen = []
+    tr.run_steps(epoch_schedule(tr.pc, 0), "train", on_step=lambda k: seen.append(tr.ex.scalar("lr")))
+    assert seen[0] == pytest.approx(0.1) and seen[-1] < seen[0]
