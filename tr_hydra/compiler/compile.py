@@ -9,7 +9,7 @@ import torch.nn as nn
 from tr_hydra.compiler.analysis import ModelMap, ShapeReport, map_model, propagate
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ModelMappingError
-from tr_hydra.memory.plan import MemoryPlan, alloc_baseline_dtensors
+from tr_hydra.memory.plan import MemoryPlan
 from tr_hydra.memory.regions import SERIES_KINDS
 from tr_hydra.models.registry import build_model
 
@@ -82,7 +82,7 @@ def build_plan(pc: PlanConfig, model_map: ModelMap) -> MemoryPlan:
             if t.kind in SERIES_KINDS[series]:
                 plan.alloc_twin(series, t)
     variants = {v.name: (v.batch, v.res, v.train) for v in pc.variants}
-    alloc_baseline_dtensors(plan, variants, pc.data.channels, pc.model.num_classes)
+    plan.alloc_baseline_dtensors(variants, pc.data.channels, pc.model.num_classes)
     return plan.finalize()
 
 

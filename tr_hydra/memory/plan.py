@@ -238,6 +238,11 @@ class MemoryPlan:
     def alloc_predicted_label(self, shapes: dict) -> DTensor:
         return self._alloc_variant(R.R_PREDICTED_LABEL, "predicted_label", shapes, DType.INT32)
 
+    def alloc_baseline_dtensors(self, variants: dict[str, tuple[int, int, bool]], channels: int,
+                                num_classes: int) -> None:
+        """The training infrastructure; see the module-level function of the same name."""
+        alloc_baseline_dtensors(self, variants, channels, num_classes)
+
     # ---------------------------------------------------------------- layout
     def finalize(self) -> "MemoryPlan":
         if self.locked:

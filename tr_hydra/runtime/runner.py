@@ -248,12 +248,23 @@ class Trainer:
                 break
             self._sync()
             t0 = time.perf_counter()
-            self.run_steps(sched, "train", step0=step)
+            totals = {"loss": 0.0, "top1": 0.0, "top5": 0.0, "count": 0.0}
+
+            def on_step(k, _n=len(sched)):
+                # the host reads the device accumulator once per log interval, never per step
+                if (k + 1) % pc.trainer.log_every == 0 or k + 1 == _n:
+                    m = self.ex.read_metrics("train")
+                    for key in ("loss", "top1", "top5"):
+                        totals[key] += m[key] * m["count"]
+                    totals["count"] += m["count"]
+            self.run_steps(sched, "train", step0=step, on_step=on_step)
             self._sync()
             dt = time.perf_counter() - t0
             n_img = sum(s[2] for s in sched)
             step, images, train_time = step + len(sched), images + n_img, train_time + dt
-            rec = {"epoch": epoch + 1, "step": step, "train": self.ex.read_metrics("train"),
+            n = max(totals["count"], 1.0)
+            train = {k: totals[k] / n for k in ("loss", "top1", "top5")} | {"count": totals["count"]}
+            rec = {"epoch": epoch + 1, "step": step, "train": train,
                    "img_per_sec": n_img / dt, "lr": self.ex.scalar("lr")}
             if pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
                 self.ex.sema_switch()
