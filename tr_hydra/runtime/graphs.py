@@ -37,25 +37,23 @@ class CudaGraphs:
             model.train()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for v in train_variants:
-            for buf in BUFFERS:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    ex.train_step(v, buf)
-                self.train[(v, buf)] = g
+        self._capture_each(train_variants, ex.train_step, self.train)
         model.eval()
         with ex.folded():
-            for v in val_variants:
-                for buf in BUFFERS:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        ex.val_step(v, buf)
-                    self.val[(v, buf)] = g
+            self._capture_each(val_variants, ex.val_step, self.val)
         model.train()
         ex.arena.arena.copy_(snapshot)
         del snapshot
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
+
+    def _capture_each(self, variants: list[str], step, into: dict) -> None:
+        for v in variants:
+            for buf in BUFFERS:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    step(v, buf)
+                into[(v, buf)] = g
 
     def train_step(self, variant: str, buffer: str) -> None:
         self.train[(variant, buffer)].replay()
