@@ -59,6 +59,8 @@ class DataSpec:
     drop_last: bool = False
     crop_scale: tuple[float, float] = (0.08, 1.0)
     crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)
+    val_crop: float = 1.0
+    flip: bool = True
     cache_dir: str | None = None
     skip_corrupt: bool = False
     num_threads: int = 2
@@ -220,6 +222,11 @@ def plan_config_from(cfg) -> PlanConfig:
     _check(len(data.mean) == data.channels and len(data.std) == data.channels, "data.mean/data.std",
            f"need {data.channels} values each")
     _check(all(s > 0 for s in data.std), "data.std", "must be > 0")
+    _check(0 < data.val_crop <= 1, "data.val_crop", f"must be in (0, 1], got {data.val_crop}")
+    _check(len(data.crop_scale) == 2 and 0 < data.crop_scale[0] <= data.crop_scale[1] <= 1,
+           "data.crop_scale", f"must be [min, max] within (0, 1], got {list(data.crop_scale)}")
+    _check(len(data.crop_ratio) == 2 and 0 < data.crop_ratio[0] <= data.crop_ratio[1],
+           "data.crop_ratio", f"must be [min, max] > 0, got {list(data.crop_ratio)}")
     _check(model.num_classes == data.num_classes, "model.num_classes",
            f"{model.num_classes} differs from data.num_classes={data.num_classes}")
     for key in ("batch_size", "val_batch_size"):

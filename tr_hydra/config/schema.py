@@ -108,6 +108,8 @@ class DataConfig:
     drop_last: bool = False
     crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
     crop_ratio: List[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])
+    val_crop: float = 1.0
+    flip: bool = True            # random horizontal flip when augmenting        # validation: resize the shorter side to res / val_crop, center crop
     cache_dir: Optional[str] = None
     skip_corrupt: bool = False
     num_threads: int = 2

@@ -31,7 +31,7 @@ class SyntheticSource:
             self._banks[key] = (imgs.to(self.device, self.dtype), labels.to(self.device, torch.int32))
         return self._banks[key]
 
-    def batch(self, split: str, index: int, batch: int, size: int, res: int):
+    def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0):
         """Images NHWC (compute dtype) and int32 labels of batch ``index`` (``size`` <= batch)."""
         imgs, labels = self._bank(split, res, batch)
         n = imgs.shape[0]

@@ -38,12 +38,15 @@ class ArenaKeeper:
         t.set_(self.arena.untyped_storage(), offset // item, (nbytes // item,), (1,))
         return t
 
-    def view(self, t: DTensor, variant: str | None = None) -> torch.Tensor:
-        """NHWC view of a DTensor (the variant's shape for variant-dependent tensors)."""
+    def view(self, t: DTensor, variant: str | None = None, padded: bool = False) -> torch.Tensor:
+        """NHWC view of a DTensor (the variant's shape for variant-dependent tensors); with
+        ``padded`` the channel padding of the slot rule is part of the view (contiguous)."""
         n, h, w, c = self.plan.shape_in(t, variant)
         cp = t.strides[2]  # padded channels
         dtype = self.torch_dtype(t.dtype)
         flat = self._flat(t.offset, n * h * w * cp * t.dtype.itemsize, dtype)
+        if padded:
+            return flat.view(n, h, w, cp)
         return flat.as_strided((n, h, w, c), (h * w * cp, w * cp, cp, 1))
 
     def torch_view(self, t: DTensor) -> torch.Tensor:

@@ -74,9 +74,9 @@ class StepExecutor:
         self.init_scalars()
 
     # ------------------------------------------------------------------ views
-    def input_views(self, variant: str, buffer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(images NHWC, labels [b]) of one input buffer in a variant's shape."""
-        img = self.arena.view(self.plan[f"input_{buffer}.data"], variant)
+        img = self.arena.view(self.plan[f"input_{buffer}.data"], variant, padded)
         lab = self.arena.view(self.plan[f"input_{buffer}.label"], variant).view(-1)
         return img, lab
 

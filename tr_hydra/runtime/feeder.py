@@ -11,29 +11,51 @@ class Feeder:
     def __init__(self, executor: StepExecutor):
         self.ex = executor
         self.cuda = executor.device.type == "cuda"
+        self._staging: dict[tuple, torch.Tensor] = {}
         if self.cuda:
             self.stream = torch.cuda.Stream(device=executor.device)
             self.copied = {b: torch.cuda.Event() for b in ("A", "B")}
             self.consumed = {b: torch.cuda.Event() for b in ("A", "B")}
 
-    def put(self, buffer: str, variant: str, images: torch.Tensor, labels: torch.Tensor) -> None:
-        img, lab = self.ex.input_views(variant, buffer)
-        if img.shape != images.shape:
-            raise ValueError(f"batch of shape {tuple(images.shape)} does not fit variant {variant} "
-                             f"{tuple(img.shape)}")
-        if not self.cuda:
-            img.copy_(images)
-            lab.copy_(labels)
-            return
-        # the source produced its tensors on the current stream
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.consumed[buffer])  # the step that last read it is done
+    def put(self, buffer: str, variant: str, batch) -> None:
+        """Copy a batch (a (images, labels) pair of tensors, or a DaliBatch) into ``buffer``."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # the source's own work
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.consumed[buffer])  # the step that last read it is done
+                self._copy(buffer, variant, batch)
+                self.copied[buffer].record(self.stream)
+        else:
+            self._copy(buffer, variant, batch)
+
+    def _copy(self, buffer: str, variant: str, batch) -> None:
+        if isinstance(batch, tuple):
+            images, labels = batch
+            img, lab = self.ex.input_views(variant, buffer)
+            if img.shape != images.shape:
+                raise ValueError(f"batch of shape {tuple(images.shape)} does not fit variant {variant} "
+                                 f"{tuple(img.shape)}")
             img.copy_(images, non_blocking=True)
             lab.copy_(labels, non_blocking=True)
-            self.copied[buffer].record(self.stream)
-        images.record_stream(self.stream)
-        labels.record_stream(self.stream)
+            if self.cuda:
+                images.record_stream(self.stream)
+            return
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+        img, lab = self.ex.input_views(variant, buffer, padded=batch.dtype == torch.float16)
+        dense = batch.images.as_tensor()
+        if tuple(dense.shape()) != tuple(img.shape):
+            raise ValueError(f"DALI batch {tuple(dense.shape())} does not fit variant {variant} {tuple(img.shape)}")
+        stream = self.stream.cuda_stream if self.cuda else None
+        if img.dtype == batch.dtype:  # fp16 or fp32: straight into the arena
+            feed_ndarray(dense, img, cuda_stream=stream)
+        else:  # bf16 compute: DALI has no bf16, so one cast on the way in
+            key = (tuple(img.shape), batch.dtype)
+            if key not in self._staging:
+                self._staging[key] = torch.empty(img.shape, dtype=batch.dtype, device=img.device)
+            stage = self._staging[key]
+            feed_ndarray(dense, stage, cuda_stream=stream)
+            img.copy_(stage, non_blocking=True)
+        lab.copy_(batch.labels, non_blocking=True)
 
     def before_step(self, buffer: str) -> None:
         if self.cuda:

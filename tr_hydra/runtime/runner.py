@@ -151,13 +151,13 @@ class Trainer:
 
     def _make_source(self):
         pc = self.pc
-        if pc.data.name != "synthetic":
-            raise ConfigError(f"data={pc.data.name}: this build trains on data=synthetic only; "
-                              f"the image pipelines are not part of it")
-        from tr_hydra.data.synthetic import SyntheticSource
         dt = self.arena.torch_dtype(DType.FP16 if pc.amp else DType.FP32)
-        return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed, self.device, dt,
-                               pc.train_size, pc.val_size)
+        if pc.data.name == "synthetic":
+            from tr_hydra.data.synthetic import SyntheticSource
+            return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed, self.device, dt,
+                                   pc.train_size, pc.val_size)
+        from tr_hydra.data.dali_source import DaliSource
+        return DaliSource(pc, self.device, dt, log=self.log)
 
     # ------------------------------------------------------------------ steps
     def _train_step(self, variant: str, buf: str) -> None:
@@ -185,29 +185,30 @@ class Trainer:
                  f"in {self.graphs.capture_seconds:.1f}s")
 
     def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
-                  on_step=None) -> int:
-        """Feed and run ``steps``; the next batch is copied into the idle buffer during each step."""
+                  on_step=None, epoch: int = 0) -> int:
+        """Feed and run ``steps``. Each step is launched first; the host then prepares the next
+        batch and the feeder copies it into the idle buffer while the step runs."""
         if not steps:
             return 0
         src = self.source
         def batch(s):
             v, i, size = s
-            return src.batch(split, i, self.pc.batch_size if split == "train" else
-                             self.pc.variant("val_base").batch, size, self.pc.variant(v).res)
+            full = self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
+            return src.batch(split, i, full, size, self.pc.variant(v).res, epoch=epoch)
         bufs = ("A", "B")
-        self.feeder.put("A", steps[0][0], *batch(steps[0]))
+        self.feeder.put("A", steps[0][0], batch(steps[0]))
         for k, s in enumerate(steps):
             buf = bufs[k % 2]
             if split == "train":
                 self.ex.set_lr(lr_at(self.pc.optimizer, step0 + k, self.steps_per_epoch, self.total_steps))
             self.feeder.before_step(buf)
-            if k + 1 < len(steps):
-                self.feeder.put(bufs[(k + 1) % 2], steps[k + 1][0], *batch(steps[k + 1]))
             if split == "train":
                 self._train_step(s[0], buf)
             else:
                 self._val_step(s[0], buf)
             self.feeder.after_step(buf)
+            if k + 1 < len(steps):
+                self.feeder.put(bufs[(k + 1) % 2], steps[k + 1][0], batch(steps[k + 1]))
             if on_step:
                 on_step(k)
         return len(steps)
@@ -257,7 +258,7 @@ class Trainer:
                     for key in ("loss", "top1", "top5"):
                         totals[key] += m[key] * m["count"]
                     totals["count"] += m["count"]
-            self.run_steps(sched, "train", step0=step, on_step=on_step)
+            self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
             self._sync()
             dt = time.perf_counter() - t0
             n_img = sum(s[2] for s in sched)

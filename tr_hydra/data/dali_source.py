@@ -1,0 +1,192 @@
+"""NVIDIA DALI input: imagefolder, arrays and digits through one pipeline shape.
+
+The host decides every batch (order from (seed, epoch), shard, partial last batch) and feeds the
+samples through ``external_source``; DALI decodes (nvJPEG "mixed" on GPU, CPU otherwise),
+augments and normalises to NHWC in the compute dtype, and the feeder copies the result straight
+into the idle arena input buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.data.index import SplitIndex, check_labels, epoch_order, load_arrays, scan_imagefolder
+from tr_hydra.errors import ConfigError, TrHydraError
+
+
+class DataError(TrHydraError):
+    """A sample that cannot be read or decoded."""
+
+
+@dataclass
+class DaliBatch:
+    images: object            # DALI TensorList (CPU or GPU), NHWC, C padded to 4 for fp16
+    labels: torch.Tensor      # int32 [n], on the host
+    dtype: torch.dtype        # dtype DALI produced (fp16 or fp32)
+
+
+def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
+    d = pc.data
+    if d.name in ("imagefolder", "digits"):
+        root = d.root
+        if d.name == "digits":
+            from tr_hydra.data.digits import ensure_digits
+            root = ensure_digits(d.cache_dir)
+        if not root:
+            raise ConfigError("data.root: required for data=imagefolder")
+        train, classes = scan_imagefolder(root, "train")
+        val, _ = scan_imagefolder(root, "val", classes)
+        index = {"train": train, "val": val}
+    elif d.name == "arrays":
+        if not d.path:
+            raise ConfigError("data.path: required for data=arrays")
+        index = load_arrays(d.path, pc.model.num_classes)
+    else:
+        raise ConfigError(f"data={d.name} is not a DALI source")
+    for split in ("train", "val"):
+        check_labels(index[split], pc.model.num_classes, f"{split} split")
+    return index
+
+
+class DaliSource:
+    def __init__(self, pc: PlanConfig, device: torch.device, out_dtype: torch.dtype,
+                 shard_id: int = 0, num_shards: int = 1, log=print):
+        self.pc, self.device, self.log = pc, device, log
+        self.shard_id, self.num_shards = shard_id, num_shards
+        self.index = load_index(pc)
+        for split, want in (("train", pc.train_size), ("val", pc.val_size)):
+            have = (len(self.index[split]) + num_shards - 1 - shard_id) // num_shards
+            if have != want:
+                raise ConfigError(f"variants.{split}_size: the plan expects {want} {split} samples "
+                                  f"but the source has {have}")
+        # DALI has no bfloat16: bf16 runs get fp16 from DALI and cast on the copy into the arena
+        self.half = out_dtype in (torch.float16, torch.bfloat16)
+        self.dali_dtype = torch.float16 if self.half else torch.float32
+        self._pipes: dict[tuple, object] = {}
+        self._orders: dict[tuple[str, int], np.ndarray] = {}
+        self._bad: set[int] = set()  # train/val sample ids known to be undecodable
+        self.skipped = 0
+
+    # ------------------------------------------------------------------ pipelines
+    def _pipeline(self, split: str, res: int, max_batch: int):
+        key = (split, res, max_batch)
+        if key not in self._pipes:
+            self._pipes[key] = self._build(split, res, max_batch)
+        return self._pipes[key]
+
+    def _build(self, split: str, res: int, max_batch: int, device_override=None):
+        from nvidia.dali import fn, pipeline_def, types
+        d, encoded = self.pc.data, self.index[split].encoded
+        gpu = (device_override or self.device).type == "cuda"
+        augment = split == "train" and d.augment
+        dtype = types.FLOAT16 if self.half else types.FLOAT
+
+        @pipeline_def(batch_size=max_batch, num_threads=max(1, d.num_threads),
+                      device_id=(self.device.index or 0) if gpu else None,
+                      seed=self.pc.seed * 7919 + (split == "val") + res * 31, prefetch_queue_depth=1,
+                      exec_async=False, exec_pipelined=False)
+        def pipe():
+            if encoded:
+                enc = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
+                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+            else:
+                img = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
+                if gpu:
+                    img = img.gpu()
+            if augment:
+                img = fn.random_resized_crop(img, size=(res, res), random_area=list(d.crop_scale),
+                                             random_aspect_ratio=list(d.crop_ratio))
+                mirror = fn.random.coin_flip() if d.flip else 0
+            else:
+                shorter = res if split == "train" else int(round(res / d.val_crop))
+                img = fn.resize(img, resize_shorter=shorter)
+                mirror = 0
+            return fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
+                                            std=list(d.std), dtype=dtype, output_layout="HWC",
+                                            pad_output=self.half)
+        p = pipe()
+        p.build()
+        return p
+
+    # ------------------------------------------------------------------ batches
+    def order(self, split: str, epoch: int) -> np.ndarray:
+        key = (split, epoch if split == "train" else 0)
+        if key not in self._orders:
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != split}  # keep one per split
+            shuffle = self.pc.data.shuffle and split == "train"
+            self._orders[key] = epoch_order(len(self.index[split]), self.pc.seed, epoch, shuffle,
+                                            self.shard_id, self.num_shards)
+        return self._orders[key]
+
+    def _samples(self, split: str, ids: np.ndarray):
+        idx = self.index[split]
+        if idx.encoded:
+            out = []
+            for i in ids:
+                try:
+                    out.append(np.fromfile(idx.paths[i], dtype=np.uint8))
+                except OSError as e:
+                    raise DataError(f"data: cannot read {idx.paths[i]}: {e.strerror}") from None
+            return out
+        return [idx.images[i] for i in ids]
+
+    def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
+        ids = self.order(split, epoch)[index * batch:index * batch + size]
+        if len(ids) != size:
+            raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
+        ids = self._replace_bad(split, ids)
+        pipe = self._pipeline(split, res, max(batch, size))
+        try:
+            pipe.feed_input("images", self._samples(split, ids))
+            (images,) = pipe.run()
+        except DataError:
+            raise
+        except Exception as e:  # a sample DALI cannot decode: find it, then skip or stop
+            self._pipes.pop((split, res, max(batch, size)), None)
+            bad = self._find_bad(split, ids, res)
+            if not bad:
+                raise DataError(f"data: the {split} pipeline failed: {str(e).splitlines()[0]}") from None
+            paths = [self.index[split].paths[i] if self.index[split].encoded else f"{split} sample {i}" for i in bad]
+            if not self.pc.data.skip_corrupt:
+                raise DataError(f"data: cannot decode {paths[0]}"
+                                f"{f' (and {len(paths) - 1} more in this batch)' if len(paths) > 1 else ''}; "
+                                f"set data.skip_corrupt=true to skip such files") from None
+            self._bad.update(int(i) for i in bad)
+            self.log(f"data: skipping {len(bad)} undecodable file(s), e.g. {paths[0]}")
+            return self.batch(split, index, batch, size, res, epoch)
+        labels = torch.from_numpy(self.index[split].labels[ids].copy())
+        return DaliBatch(images, labels, self.dali_dtype)
+
+    def _replace_bad(self, split: str, ids: np.ndarray) -> np.ndarray:
+        """A known-bad sample is replaced by a good one of the same batch, so every variant keeps
+        its shape; each replacement counts as skipped."""
+        if not self._bad:
+            return ids
+        bad = np.isin(ids, list(self._bad))
+        if not bad.any():
+            return ids
+        good = ids[~bad]
+        if good.size == 0:
+            raise DataError(f"data: every sample of a {split} batch is undecodable")
+        ids = ids.copy()
+        ids[bad] = good[np.arange(bad.sum()) % good.size]
+        self.skipped += int(bad.sum())
+        return ids
+
+    def _find_bad(self, split: str, ids: np.ndarray, res: int) -> list[int]:
+        """Decode each sample alone on the CPU; the ones that fail are the bad ones."""
+        probe = self._build(split, res, 1, device_override=torch.device("cpu"))
+        bad = []
+        for i in ids:
+            try:
+                probe.feed_input("images", self._samples(split, np.asarray([i])))
+                probe.run()
+            except DataError:
+                raise
+            except Exception:
+                bad.append(int(i))
+                probe = self._build(split, res, 1, device_override=torch.device("cpu"))
+        return bad
