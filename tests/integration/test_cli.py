@@ -95,3 +95,44 @@ def test_bad_inputs_are_one_line(tmp_path):
         out = run(*args, cwd=tmp_path)
         lines = [l for l in out.stderr.splitlines() if l.strip()]
         assert out.returncode == 2 and len(lines) == 1 and "error:" in lines[0], (args, out.stderr)
+
+
+def test_default_run_learns_digits(tmp_path):
+    """`tr-train` with no arguments: the built-in digits set, ~25 s on 2 CPU cores."""
+    out = subprocess.run(_cli("tr-train") + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                         capture_output=True, text=True, env=ENV | {"TR_HYDRA_CACHE": str(tmp_path / "cache")},
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    top1 = float(out.stdout.split("final val top1")[1].split(",")[0])
+    assert top1 >= 85.0, out.stdout
+
+
+def test_arrays_from_the_command_line(tmp_path):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 40)
+    x = (rng.integers(0, 60, (40, 16, 16, 3)) + 40 * y[:, None, None, None]).astype(np.uint8)
+    np.savez(tmp_path / "set.npz", x_train=x, y_train=y, x_val=x[:12], y_val=y[:12])
+    out = run("tr-train", "data=arrays", f"data.path={tmp_path / 'set.npz'}", "data.num_classes=4",
+              "variants.batch_size=16", "variants.val_batch_size=8", "variants.base_res=16",
+              "variants.val_res=16", "trainer.epochs=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch   2" in out.stdout
+
+
+def test_corrupt_image_stops_with_one_line(tmp_path):
+    from PIL import Image
+    import numpy as np
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            d = tmp_path / "data" / split / c
+            d.mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(d / f"{i}.jpg")
+    (tmp_path / "data" / "train" / "b" / "2.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    out = run("tr-train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+              "variants.batch_size=4", "variants.val_batch_size=4", "variants.base_res=16",
+              "variants.val_res=16", "trainer.epochs=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "b/2.jpg" in lines[0] and "skip_corrupt" in lines[0]

@@ -7,6 +7,10 @@ into the idle arena input buffer.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +27,34 @@ class DataError(TrHydraError):
 
 @dataclass
 class DaliBatch:
+    """Valid until the next ``batch()`` of the same pipeline (DALI reuses its output buffers);
+    the feeder copies it into the arena right away."""
     images: object            # DALI TensorList (CPU or GPU), NHWC, C padded to 4 for fp16
     labels: torch.Tensor      # int32 [n], on the host
     dtype: torch.dtype        # dtype DALI produced (fp16 or fp32)
+
+
+@contextlib.contextmanager
+def native_stderr_kept_on_success():
+    """DALI's decoders print their own lines to the C-level stderr before raising; those would
+    break the one-line error. Capture them: pass them on when the run succeeds, drop them when it
+    fails (the exception, turned into a DataError, says what went wrong)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                tmp.seek(0)
+                text = tmp.read()
+                if text:
+                    sys.stderr.write(text.decode(errors="replace"))
 
 
 def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
@@ -58,10 +87,11 @@ class DaliSource:
         self.shard_id, self.num_shards = shard_id, num_shards
         self.index = load_index(pc)
         for split, want in (("train", pc.train_size), ("val", pc.val_size)):
-            have = (len(self.index[split]) + num_shards - 1 - shard_id) // num_shards
-            if have != want:
-                raise ConfigError(f"variants.{split}_size: the plan expects {want} {split} samples "
-                                  f"but the source has {have}")
+            total = want * num_shards
+            if len(self.index[split]) < total:
+                raise ConfigError(f"data.{split}_size: the plan expects {total} {split} samples "
+                                  f"but the source has {len(self.index[split])}")
+            self.index[split] = self.index[split].subset(total)
         # DALI has no bfloat16: bf16 runs get fp16 from DALI and cast on the copy into the arena
         self.half = out_dtype in (torch.float16, torch.bfloat16)
         self.dali_dtype = torch.float16 if self.half else torch.float32
@@ -141,7 +171,8 @@ class DaliSource:
         pipe = self._pipeline(split, res, max(batch, size))
         try:
             pipe.feed_input("images", self._samples(split, ids))
-            (images,) = pipe.run()
+            with native_stderr_kept_on_success():
+                (images,) = pipe.run()
         except DataError:
             raise
         except Exception as e:  # a sample DALI cannot decode: find it, then skip or stop
@@ -183,7 +214,8 @@ class DaliSource:
         for i in ids:
             try:
                 probe.feed_input("images", self._samples(split, np.asarray([i])))
-                probe.run()
+                with native_stderr_kept_on_success():
+                    probe.run()
             except DataError:
                 raise
             except Exception:

@@ -21,6 +21,16 @@ class SplitIndex:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def subset(self, n: int) -> "SplitIndex":
+        """n samples: an image folder takes a fixed spread over the whole set (its files are
+        sorted by class, so the first n would drop classes); arrays take the first n in order."""
+        if n >= len(self):
+            return self
+        if self.paths is not None:
+            keep = np.sort(np.random.default_rng(0).permutation(len(self))[:n])
+            return SplitIndex(self.labels[keep], paths=[self.paths[i] for i in keep])
+        return SplitIndex(self.labels[:n], images=self.images[:n])
+
     @property
     def encoded(self) -> bool:
         return self.paths is not None

@@ -1,0 +1,207 @@
+"""DALI input on CPU: exact order and values against numpy, sizes, and every bad-input case."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.data.dali_source import DaliSource, DataError
+from tr_hydra.data.index import epoch_order
+from tr_hydra.errors import ConfigError
+from tr_hydra.runtime.runner import Trainer, epoch_schedule
+
+from tests.helpers import small_config
+
+MEAN, STD = (10.0, 20.0, 30.0), (50.0, 60.0, 70.0)
+
+
+def _dense(batch) -> np.ndarray:
+    return np.array(batch.images.as_tensor())
+
+
+def make_folder(root: Path, classes=("cat", "dog", "emu"), per_class=(3, 2, 4), size=16, fmt="PNG",
+                seed=0) -> dict[str, np.ndarray]:
+    """root/train and root/val with random images; returns the pixel arrays by path."""
+    rng = np.random.default_rng(seed)
+    pixels = {}
+    for split in ("train", "val"):
+        for c, n in zip(classes, per_class):
+            d = root / split / c
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                a = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+                p = d / f"{i:03d}.{'png' if fmt == 'PNG' else 'jpg'}"
+                Image.fromarray(a).save(p, format=fmt)
+                pixels[str(p)] = a
+    return pixels
+
+
+def folder_config(root, *, shuffle=False, augment=False, batch=4, res=16, amp=False, amp_dtype="bf16",
+                  train=9, val=9, **data_kw):
+    pc = small_config(train_size=train, val_size=val, batch=batch, val_batch=batch, res=res,
+                      val_res=res, amp=amp, amp_dtype=amp_dtype, num_classes=3)
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=3, image_size=res, mean=MEAN,
+                    std=STD, shuffle=shuffle, augment=augment, **data_kw)
+    return dataclasses.replace(pc, data=data)
+
+
+def test_imagefolder_exact_order_and_values(tmp_path):
+    pixels = make_folder(tmp_path)
+    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    paths = src.index["train"].paths
+    assert [Path(p).parent.name for p in paths] == ["cat"] * 3 + ["dog"] * 2 + ["emu"] * 4
+    b0 = src.batch("train", 0, 4, 4, 16)
+    want = np.stack([(pixels[p].astype(np.float32) - MEAN) / STD for p in paths[:4]])
+    assert np.abs(_dense(b0) - want).max() < 1e-5  # read before the next batch reuses the buffers
+    assert b0.labels.tolist() == [0, 0, 0, 1]
+    b2 = src.batch("train", 2, 4, 1, 16)  # the partial last batch: 9 = 4 + 4 + 1
+    assert _dense(b2).shape == (1, 16, 16, 3) and b2.labels.tolist() == [2]
+    assert np.allclose(_dense(b2)[0], (pixels[paths[8]].astype(np.float32) - MEAN) / STD, atol=1e-5)
+
+
+def test_fp16_output_is_padded_to_four_channels(tmp_path):
+    make_folder(tmp_path, fmt="JPEG")
+    src = DaliSource(folder_config(tmp_path, augment=True, amp=True, amp_dtype="fp16"),
+                     torch.device("cpu"), torch.float16)
+    out = _dense(src.batch("train", 0, 4, 4, 12))
+    assert out.shape == (4, 12, 12, 4) and out.dtype == np.float16
+    assert np.all(out[..., 3] == 0)
+
+
+def test_arrays_exact_order_and_values(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (10, 16, 16, 3), dtype=np.uint8)
+    y = rng.integers(0, 3, 10)
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=y, x_val=x[:5], y_val=y[:5])
+    pc = folder_config(tmp_path, train=10, val=5)
+    pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="arrays", root=None,
+                                                          path=str(tmp_path / "d.npz")))
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    for i, size in ((0, 4), (1, 4), (2, 2)):
+        b = src.batch("train", i, 4, size, 16)
+        want = (x[i * 4:i * 4 + size].astype(np.float32) - MEAN) / STD
+        assert np.allclose(_dense(b), want, atol=1e-5)
+        assert b.labels.tolist() == y[i * 4:i * 4 + size].tolist()
+
+
+def test_shuffle_is_deterministic_and_shards_partition():
+    a, b = epoch_order(100, 7, 0, True), epoch_order(100, 7, 0, True)
+    assert np.array_equal(a, b) and not np.array_equal(a, epoch_order(100, 7, 1, True))
+    assert sorted(a.tolist()) == list(range(100))
+    shards = [epoch_order(100, 7, 3, True, s, 3) for s in range(3)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(100))
+    assert np.array_equal(epoch_order(5, 7, 0, False), np.arange(5))
+
+
+def test_lowres_epochs_produce_lowres_images(tmp_path):
+    make_folder(tmp_path, fmt="JPEG", size=20)
+    src = DaliSource(folder_config(tmp_path, augment=True, res=16), torch.device("cpu"), torch.float32)
+    assert _dense(src.batch("train", 0, 4, 4, 12)).shape == (4, 12, 12, 3)
+    assert _dense(src.batch("val", 0, 4, 4, 16)).shape == (4, 16, 16, 3)
+
+
+def test_training_on_imagefolder_sees_every_sample(tmp_path):
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
+    pc = dataclasses.replace(folder_config(tmp_path, augment=True, train=13, val=13, batch=4),
+                             lowres_epochs=1)
+    pc = dataclasses.replace(pc, variants=small_config(train_size=13, val_size=13, batch=4, val_batch=4,
+                                                      res=16, lowres_epochs=1, num_classes=3).variants)
+    tr = Trainer(pc, tmp_path / "run", log=lambda *_: None)
+    res = tr.fit()
+    assert res.epochs[0]["train"]["count"] == 13  # the last batch of 1 is trained, not dropped
+    assert res.epochs[0]["val"]["count"] == 13
+    assert {v for v, _, _ in epoch_schedule(pc, 0)} == {"train_lowres", "train_lowres_last"}
+
+
+def test_digits_builds_a_fixed_split(tmp_path):
+    from tr_hydra.data.digits import ensure_digits
+    root = ensure_digits(tmp_path)
+    n_train = sum(1 for _ in (root / "train").rglob("*.jpg"))
+    n_val = sum(1 for _ in (root / "val").rglob("*.jpg"))
+    assert (n_train, n_val) == (1437, 360)
+    assert sorted(p.name for p in (root / "train").iterdir()) == [str(i) for i in range(10)]
+    first = sorted((root / "train" / "3").iterdir())[0].name
+    assert ensure_digits(tmp_path) == root and sorted((root / "train" / "3").iterdir())[0].name == first
+    img = Image.open(next((root / "val").rglob("*.jpg")))
+    assert img.size == (32, 32) and img.mode == "RGB"
+
+
+# ---------------------------------------------------------------------- bad input
+def test_missing_root_and_split(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        DaliSource(folder_config(tmp_path / "nope"), torch.device("cpu"), torch.float32)
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="holds no images"):
+        DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    make_folder(tmp_path)
+    (tmp_path / "val" / "dog").rename(tmp_path / "val" / "dog_old")
+    (tmp_path / "val" / "dog").mkdir()
+    with pytest.raises(ConfigError, match=r"val/dog holds no images"):
+        DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "not_an_image"])
+def test_corrupt_image_is_named_or_skipped(tmp_path, fault):
+    make_folder(tmp_path, fmt="JPEG")
+    bad = tmp_path / "train" / "dog" / "001.jpg"
+    if fault == "truncated":
+        bad.write_bytes(bad.read_bytes()[:60])
+    else:
+        bad.write_text("this is a text file, not a picture\n")
+    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    with pytest.raises(DataError, match=r"cannot decode .*dog/001\.jpg.*skip_corrupt"):
+        src.batch("train", 1, 4, 4, 16)  # samples 4..7: cat/002, dog/000, dog/001, emu/000
+    src = DaliSource(folder_config(tmp_path, skip_corrupt=True), torch.device("cpu"), torch.float32,
+                     log=lambda *_: None)
+    b = src.batch("train", 1, 4, 4, 16)
+    assert _dense(b).shape == (4, 16, 16, 3) and src.skipped == 1
+    src.batch("train", 1, 4, 4, 16)  # known bad now: replaced without a failed decode
+    assert src.skipped == 2
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing_key", "has no array 'y_val'"),
+    ("dtype", "x_train must be uint8"),
+    ("shape", "x_train must be uint8 of shape"),
+    ("labels", "y_train has labels outside [0, 3)"),
+    ("label_len", "y_train must be integer of shape"),
+])
+def test_bad_npz(tmp_path, case, needle):
+    x = np.zeros((4, 8, 8, 3), np.uint8)
+    y = np.array([0, 1, 2, 0])
+    arrays = dict(x_train=x, y_train=y, x_val=x, y_val=y)
+    if case == "missing_key":
+        del arrays["y_val"]
+    elif case == "dtype":
+        arrays["x_train"] = x.astype(np.float32)
+    elif case == "shape":
+        arrays["x_train"] = x[..., 0]
+    elif case == "labels":
+        arrays["y_train"] = np.array([0, 1, 2, 3])
+    elif case == "label_len":
+        arrays["y_train"] = y[:3]
+    np.savez(tmp_path / "d.npz", **arrays)
+    pc = folder_config(tmp_path, train=4, val=4)
+    pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="arrays", root=None,
+                                                          path=str(tmp_path / "d.npz")))
+    with pytest.raises(ConfigError) as e:
+        DaliSource(pc, torch.device("cpu"), torch.float32)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_smaller_train_size_takes_a_spread_over_classes(tmp_path):
+    make_folder(tmp_path, per_class=(4, 4, 4))
+    pc = folder_config(tmp_path, train=6, val=12)
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    assert len(src.index["train"]) == 6 and len(set(src.index["train"].labels.tolist())) >= 2
+    assert src.index["train"].paths == sorted(src.index["train"].paths)
+    with pytest.raises(ConfigError, match="expects 13 val samples"):
+        DaliSource(folder_config(tmp_path, train=6, val=13), torch.device("cpu"), torch.float32)
