@@ -69,11 +69,12 @@ def pytorch_runner(model_name: str, batch: int, res: int, classes: int, mode: st
     return step
 
 
-def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode: str, device, amp: bool):
+def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode: str, device, amp: bool,
+              n_train: int | None = None):
     from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig,
                                              RuntimeSpec, TrainerSpec, make_variants)
     from tr_hydra.runtime.runner import Trainer
-    n_train = batch * 64
+    n_train = n_train or batch * 64
     pc = PlanConfig(model=ModelSpec(name=model_name, num_classes=classes),
                     optimizer=OptimizerSpec(name="momentum", lr=0.1, weight_decay=5e-5, schedule="constant"),
                     data=DataSpec(num_classes=classes, image_size=res),
@@ -93,6 +94,125 @@ def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode:
     return step8, tr
 
 
+def make_jpegs(root: str, n: int, classes: int = 100, width: int = 500, height: int = 375) -> str:
+    """n ImageNet-sized JPEGs (smooth random content, ~60-120 KB each) in root/{train,val}/<class>."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    from pathlib import Path
+    done = Path(root) / f".complete_{n}"
+    if done.is_file():
+        return root
+    jobs = [(root, i, classes, width, height) for i in range(n)]
+    with ProcessPoolExecutor(max(1, (os.cpu_count() or 2))) as ex:
+        list(ex.map(_write_jpeg, jobs, chunksize=64))
+    done.write_text("ok\n")
+    return root
+
+
+def _write_jpeg(job):
+    import numpy as np
+    from pathlib import Path
+    from PIL import Image, ImageFilter
+    root, i, classes, w, h = job
+    rng = np.random.default_rng(i)
+    small = rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.BICUBIC).filter(ImageFilter.GaussianBlur(1))
+    noise = rng.integers(-12, 12, (h, w, 3))
+    img = Image.fromarray(np.clip(np.asarray(img, np.int16) + noise, 0, 255).astype(np.uint8))
+    for split in ("train", "val"):
+        if split == "val" and (i // classes) % 8:  # every 8th image of each class
+            continue
+        d = Path(root) / split / f"c{i % classes:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        img.save(d / f"{i:06d}.jpg", quality=90)
+
+
+def e2e(args, device) -> list[dict]:
+    """End to end on a JPEG folder: tr_hydra (synthetic, then the folder through DALI) and
+    torchvision DataLoader (all cores) + torch.compile, ResNet-50 bf16."""
+    import dataclasses
+    import os
+    from pathlib import Path
+    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.data.sizes import count_images
+    root = make_jpegs(args.data, args.jpegs)
+    n_train = count_images(Path(root) / "train")
+    n_val = count_images(Path(root) / "val")
+    out = []
+    batch = args.batch
+    steps = n_train // batch
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        if mode in ("tr-synthetic", "tr-jpeg"):
+            step, tr = tr_runner(args.model, batch, args.res, 1000 if mode == "tr-synthetic" else 100,
+                                 "none", device, True, n_train=steps * batch)
+            if mode == "tr-jpeg":
+                from tr_hydra.config.plan_config import make_variants
+                from tr_hydra.runtime.runner import Trainer
+                pc = tr.pc
+                pc = dataclasses.replace(pc, data=DataSpec(name="imagefolder", root=root, num_classes=100,
+                                                           image_size=args.res, num_threads=os.cpu_count() or 4),
+                                         model=dataclasses.replace(pc.model, num_classes=100),
+                                         train_size=steps * batch, val_size=n_val,
+                                         variants=make_variants(train_size=steps * batch, val_size=n_val,
+                                                                batch_size=batch, val_batch_size=batch,
+                                                                base_res=args.res, lowres_res=args.res,
+                                                                lowres_epochs=0, val_res=args.res,
+                                                                drop_last=False))
+                del step, tr
+                tr = Trainer(pc, "/tmp/tr_bench", log=lambda *_: None)
+                tr.capture()
+            sched = [("train_base", i, batch) for i in range(steps)]
+            tr.run_steps(sched[:8], "train")  # warm-up: pipelines built, decoders initialised
+            _sync()
+            first = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            tr.run_steps(sched, "train", epoch=1)
+            _sync()
+            rate = steps * batch / (time.perf_counter() - t1)
+        else:  # dl-compile
+            import torchvision.transforms as T
+            from torchvision.datasets import ImageFolder
+            from tr_hydra.models.registry import build_model
+            torch.backends.cudnn.benchmark = True
+            tf = T.Compose([T.RandomResizedCrop(args.res), T.RandomHorizontalFlip(), T.ToTensor(),
+                            T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+            ds = ImageFolder(str(Path(root) / "train"), tf)
+            dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=os.cpu_count() or 4,
+                                             pin_memory=True, drop_last=True, persistent_workers=True,
+                                             prefetch_factor=4)
+            model = build_model(args.model, 100).to(device).to(memory_format=torch.channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+            @torch.compile
+            def fwd_bwd(x, y):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            def run(limit):
+                n = 0
+                for x, y in dl:
+                    x = x.to(device, non_blocking=True).to(memory_format=torch.channels_last)
+                    fwd_bwd(x, y.to(device, non_blocking=True))
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    n += x.shape[0]
+                    if n >= limit:
+                        break
+                return n
+            run(8 * batch)
+            _sync()
+            first = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            n = run(steps * batch)
+            _sync()
+            rate = n / (time.perf_counter() - t1)
+        rec = {"mode": mode, "model": args.model, "batch": batch, "res": args.res, "images": n_train,
+               "img_per_sec": rate, "warmup_seconds": first}
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet50")
@@ -104,9 +224,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--data", default=None, help="JPEG folder for the end-to-end modes (made if missing)")
+    ap.add_argument("--jpegs", type=int, default=8192, help="how many JPEGs to generate for --data")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp = not a.fp32
+    if a.data:
+        res = e2e(a, device)
+        base = next((r["img_per_sec"] for r in res if r["mode"] == "tr-synthetic"), None)
+        for r in res:
+            extra = f"  {r['img_per_sec'] / base:.3f} of tr-synthetic" if base else ""
+            print(f"{r['mode']:<14} {r['img_per_sec']:>10.1f} img/s  first {r['warmup_seconds']:.1f}s{extra}")
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     results = []
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
