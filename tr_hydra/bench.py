@@ -70,7 +70,7 @@ def pytorch_runner(model_name: str, batch: int, res: int, classes: int, mode: st
 
 
 def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode: str, device, amp: bool,
-              n_train: int | None = None):
+              n_train: int | None = None, deterministic: bool = False):
     from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig,
                                              RuntimeSpec, TrainerSpec, make_variants)
     from tr_hydra.runtime.runner import Trainer
@@ -79,7 +79,8 @@ def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode:
                     optimizer=OptimizerSpec(name="momentum", lr=0.1, weight_decay=5e-5, schedule="constant"),
                     data=DataSpec(num_classes=classes, image_size=res),
                     trainer=TrainerSpec(epochs=1),
-                    runtime=RuntimeSpec(device=device.type, compile=compile_mode),
+                    runtime=RuntimeSpec(device=device.type, compile=compile_mode,
+                                        deterministic=deterministic),
                     variants=make_variants(train_size=n_train, val_size=batch, batch_size=batch,
                                            val_batch_size=batch, base_res=res, lowres_res=res,
                                            lowres_epochs=0, val_res=res, drop_last=False),
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
         if mode.startswith("tr"):
             step, tr = tr_runner(a.model, a.batch, a.res, a.classes,
-                                 "inductor" if mode == "tr-inductor" else "none", device, amp)
+                                 "inductor" if mode == "tr-inductor" else "none", device, amp,
+                                 deterministic=mode == "tr-deterministic")
             per_call = 8
         else:
             step, tr = pytorch_runner(a.model, a.batch, a.res, a.classes, mode, device, amp), None

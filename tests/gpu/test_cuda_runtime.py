@@ -92,3 +92,14 @@ def test_inductor_inside_captured_step_keeps_grads_in_arena(tmp_path):
     for p in tr.model.parameters():
         assert lo <= p.grad.data_ptr() < hi and lo <= p.data_ptr() < hi
     assert res.epochs[-1]["train"]["loss"] < res.epochs[0]["train"]["loss"] + 0.5
+
+
+def test_deterministic_runs_are_bit_identical_with_graphs(tmp_path):
+    import dataclasses
+    base = small_config(device="cuda", amp=True, epochs=2, train_size=200, batch=32, lowres_epochs=1,
+                        optimizer=OptimizerSpec(name="lars", lr=1.0, schedule="cosine"), ema=True)
+    pc = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, deterministic=True))
+    a = _train(pc, tmp_path, "a").final_state_dict()
+    b = _train(pc, tmp_path, "b").final_state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -191,3 +191,17 @@ def test_lr_scalar_changes_without_rebuild(tmp_path):
     seen = []
     tr.run_steps(epoch_schedule(tr.pc, 0), "train", on_step=lambda k: seen.append(tr.ex.scalar("lr")))
     assert seen[0] == pytest.approx(0.1) and seen[-1] < seen[0]
+
+
+def test_deterministic_cpu_runs_are_bit_identical(tmp_path):
+    import dataclasses
+    base = small_config(epochs=2, train_size=96, batch=32, lowres_epochs=1, ema=True)
+    pc = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, deterministic=True))
+    a = Trainer(pc, tmp_path / "a", log=lambda *_: None)
+    ra = a.fit()
+    b = Trainer(pc, tmp_path / "b", log=lambda *_: None)
+    rb = b.fit()
+    sa, sb = a.final_state_dict(), b.final_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ra.epochs[-1]["val"] == rb.epochs[-1]["val"]
+    torch.use_deterministic_algorithms(False)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +100,9 @@ class DaliSource:
         self._orders: dict[tuple[str, int], np.ndarray] = {}
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
+        # one batch ahead, decoded in a background thread while the current step runs
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tr_hydra-dali")
+        self._ahead: tuple[tuple, Future] | None = None
 
     # ------------------------------------------------------------------ pipelines
     def _pipeline(self, split: str, res: int, max_batch: int):
@@ -163,7 +167,42 @@ class DaliSource:
             return out
         return [idx.images[i] for i in ids]
 
+    def prefetch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0,
+                 after=None) -> None:
+        """Start decoding a batch in the background. ``after`` (a CUDA event) marks the end of
+        the copy out of the previous result, whose buffers this run reuses."""
+        key = (split, index, batch, size, res, epoch)
+        self._drain()
+        def work():
+            if after is not None:
+                after.synchronize()
+            return self._decode(*key)
+        self._ahead = (key, self._worker.submit(work))
+
+    def _drain(self) -> None:
+        if self._ahead is not None:
+            _, fut = self._ahead
+            self._ahead = None
+            try:
+                fut.result()
+            except Exception:
+                pass  # the batch is decoded again (and its error raised) when it is asked for
+
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
+        key = (split, index, batch, size, res, epoch)
+        if self._ahead is not None and self._ahead[0] == key:
+            _, fut = self._ahead
+            self._ahead = None
+            try:
+                return fut.result()
+            except DataError:
+                raise
+            except Exception:
+                pass  # decode again in this thread for the full error handling below
+        self._drain()
+        return self._decode(*key)
+
+    def _decode(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
         ids = self.order(split, epoch)[index * batch:index * batch + size]
         if len(ids) != size:
             raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
@@ -187,7 +226,7 @@ class DaliSource:
                                 f"set data.skip_corrupt=true to skip such files") from None
             self._bad.update(int(i) for i in bad)
             self.log(f"data: skipping {len(bad)} undecodable file(s), e.g. {paths[0]}")
-            return self.batch(split, index, batch, size, res, epoch)
+            return self._decode(split, index, batch, size, res, epoch)
         labels = torch.from_numpy(self.index[split].labels[ids].copy())
         return DaliBatch(images, labels, self.dali_dtype)
 

@@ -68,6 +68,7 @@ class StepExecutor:
             self._eq_views = {bn.module: (arena.torch_view(pl["eq_scale." + bn.module]),
                                           arena.torch_view(pl["eq_bias." + bn.module]))
                               for bn in self.c.model_map.bns}
+        self._classes = torch.arange(self.pc.model.num_classes, device=self.device)  # constant
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
@@ -196,8 +197,9 @@ class StepExecutor:
         y = labels.long()
         eps = self.pc.trainer.label_smoothing if train else 0.0
         dist = self._variant_view("temp.label_dist", ctx.variant)
-        dist.fill_(eps / k)
-        dist.scatter_(1, y.unsqueeze(1), 1.0 - eps + eps / k)
+        # a broadcast comparison, not scatter_: deterministic on every device
+        hit = (self._classes.unsqueeze(0) == y.unsqueeze(1)).to(dist.dtype)
+        torch.add(hit * (1.0 - eps), eps / k, out=dist)
         logp = F.log_softmax(lf, dim=1)
         loss_sum = -(dist * logp).sum()
         if train:  # d(mean loss)/d logits, times the loss scale (1 unless fp16)

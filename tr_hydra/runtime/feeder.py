@@ -57,6 +57,14 @@ class Feeder:
             img.copy_(stage, non_blocking=True)
         lab.copy_(batch.labels, non_blocking=True)
 
+    def last_copy_event(self):
+        """An event recorded after the latest copy (None on CPU, where copies are synchronous)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
     def before_step(self, buffer: str) -> None:
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.copied[buffer])

@@ -36,6 +36,8 @@ def set_determinism(pc: PlanConfig) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     else:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
         torch.backends.cudnn.benchmark = True
 
 
@@ -71,6 +73,21 @@ def nchw_compute_on_cpu(model: torch.nn.Module) -> None:
             def forward(x, _m=m):
                 return _m._conv_forward(x.contiguous(), _m.weight.contiguous(), _m.bias)
             m.forward = forward
+
+
+class GlobalAvgPool(torch.nn.Module):
+    """AdaptiveAvgPool2d(1) as a mean over H and W: the same numbers, and a backward that is
+    deterministic on CUDA (adaptive_avg_pool2d's is not)."""
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3), keepdim=True)
+
+
+def deterministic_pools(model: torch.nn.Module) -> None:
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, torch.nn.AdaptiveAvgPool2d) and child.output_size in (1, (1, 1)):
+                setattr(m, child_name, GlobalAvgPool())
 
 
 def epoch_schedule(pc: PlanConfig, epoch: int) -> list[tuple[str, int, int]]:
@@ -129,6 +146,8 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         if self.device.type == "cpu":
             nchw_compute_on_cpu(model)
+        if pc.runtime.deterministic:
+            deterministic_pools(model)
         self.model = model
         half = torch.float16 if pc.amp_dtype == "fp16" else torch.bfloat16
         self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
@@ -191,12 +210,18 @@ class Trainer:
         if not steps:
             return 0
         src = self.source
-        def batch(s):
+        full = self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
+        def request(s):
             v, i, size = s
-            full = self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
-            return src.batch(split, i, full, size, self.pc.variant(v).res, epoch=epoch)
+            return (split, i, full, size, self.pc.variant(v).res)
+        def batch(s):
+            return src.batch(*request(s), epoch=epoch)
+        def prefetch(k):  # decode step k's batch in the background (sources that can)
+            if k < len(steps) and hasattr(src, "prefetch"):
+                src.prefetch(*request(steps[k]), epoch=epoch, after=self.feeder.last_copy_event())
         bufs = ("A", "B")
         self.feeder.put("A", steps[0][0], batch(steps[0]))
+        prefetch(1)
         for k, s in enumerate(steps):
             buf = bufs[k % 2]
             if split == "train":
@@ -209,6 +234,7 @@ class Trainer:
             self.feeder.after_step(buf)
             if k + 1 < len(steps):
                 self.feeder.put(bufs[(k + 1) % 2], steps[k + 1][0], batch(steps[k + 1]))
+                prefetch(k + 2)
             if on_step:
                 on_step(k)
         return len(steps)
