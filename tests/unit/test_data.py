@@ -25,7 +25,7 @@ def _dense(batch) -> np.ndarray:
 
 
 def make_folder(root: Path, classes=("cat", "dog", "emu"), per_class=(3, 2, 4), size=16, fmt="PNG",
-                seed=0) -> dict[str, np.ndarray]:
+                seed=0, **save_kw) -> dict[str, np.ndarray]:
     """root/train and root/val with random images; returns the pixel arrays by path."""
     rng = np.random.default_rng(seed)
     pixels = {}
@@ -36,7 +36,7 @@ def make_folder(root: Path, classes=("cat", "dog", "emu"), per_class=(3, 2, 4), 
             for i in range(n):
                 a = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
                 p = d / f"{i:03d}.{'png' if fmt == 'PNG' else 'jpg'}"
-                Image.fromarray(a).save(p, format=fmt)
+                Image.fromarray(a).save(p, format=fmt, **save_kw)
                 pixels[str(p)] = a
     return pixels
 
