@@ -12,7 +12,7 @@ def _is_multirun(argv: list[str]) -> bool:
 
 
 def _overrides(argv: list[str]) -> list[str]:
-    return [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra.")]
+    return [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra")]
 
 
 def run(cfg) -> dict:
@@ -36,8 +36,30 @@ def run(cfg) -> dict:
     return last
 
 
+def _expand_rerun(argv: list[str]) -> list[str]:
+    """--rerun DIR: the saved config of a past run as overrides, then the rest of argv."""
+    from tr_hydra.cli.rerun import rerun_overrides
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--rerun" or a.startswith("--rerun="):
+            if a == "--rerun":
+                if i + 1 >= len(argv):
+                    fail("tr-train", ValueError("--rerun needs a run dir"))
+                run_dir, i = argv[i + 1], i + 2
+            else:
+                run_dir, i = a.split("=", 1)[1], i + 1
+            with user_errors("tr-train"):
+                out = rerun_overrides(run_dir) + out
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    argv = _expand_rerun(argv)
     if not _is_multirun(argv) and not any(a.startswith("--") for a in argv):
         # Compose once up front so a bad override is one line, not a Hydra report.
         with user_errors("tr-train"):

@@ -120,6 +120,15 @@ class PlanConfig:
     ema_warmup: bool = True
     bn_folded: bool = False
     seed: int = 0
+    resume: str | None = None   # a checkpoint path, or "auto": the newest valid one in the run dir
+
+    def describe(self) -> dict:
+        """What a person recognises a plan by (named when a checkpoint does not fit)."""
+        return {"model": self.model.name, "num_classes": self.model.num_classes,
+                "optimizer": self.optimizer.name,
+                "precision": self.amp_dtype if self.amp else "fp32", "ema": self.ema,
+                "bn_folded": self.bn_folded,
+                "variants": " ".join(f"{v.name}:{v.batch}x{v.res}" for v in self.variants)}
 
     @property
     def conditions(self) -> PlanConditions:
@@ -251,4 +260,5 @@ def plan_config_from(cfg) -> PlanConfig:
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
                       amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
-                      bn_folded=bool(cfg.plan.bn_folded), seed=int(cfg.seed))
+                      bn_folded=bool(cfg.plan.bn_folded), seed=int(cfg.seed),
+                      resume=cfg.resume)

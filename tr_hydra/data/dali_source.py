@@ -105,13 +105,15 @@ class DaliSource:
         self._ahead: tuple[tuple, Future] | None = None
 
     # ------------------------------------------------------------------ pipelines
-    def _pipeline(self, split: str, res: int, max_batch: int):
-        key = (split, res, max_batch)
+    def _pipeline(self, split: str, res: int, max_batch: int, epoch: int):
+        # training augmentation is seeded by (seed, epoch): a resumed run draws the same crops
+        key = (split, res, max_batch, epoch if split == "train" else 0)
         if key not in self._pipes:
-            self._pipes[key] = self._build(split, res, max_batch)
+            self._pipes = {k: v for k, v in self._pipes.items() if k[0] != split or k[3] == key[3]}
+            self._pipes[key] = self._build(split, res, max_batch, epoch=key[3])
         return self._pipes[key]
 
-    def _build(self, split: str, res: int, max_batch: int, device_override=None):
+    def _build(self, split: str, res: int, max_batch: int, device_override=None, epoch: int = 0):
         from nvidia.dali import fn, pipeline_def, types
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
@@ -120,7 +122,8 @@ class DaliSource:
 
         @pipeline_def(batch_size=max_batch, num_threads=max(1, d.num_threads),
                       device_id=(self.device.index or 0) if gpu else None,
-                      seed=self.pc.seed * 7919 + (split == "val") + res * 31, prefetch_queue_depth=1,
+                      seed=(self.pc.seed * 7919 + epoch * 104729 + res * 31 + (split == "val")) % (2**31),
+                      prefetch_queue_depth=1,
                       exec_async=False, exec_pipelined=False)
         def pipe():
             if encoded:
@@ -207,7 +210,7 @@ class DaliSource:
         if len(ids) != size:
             raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
         ids = self._replace_bad(split, ids)
-        pipe = self._pipeline(split, res, max(batch, size))
+        pipe = self._pipeline(split, res, max(batch, size), epoch)
         try:
             pipe.feed_input("images", self._samples(split, ids))
             with native_stderr_kept_on_success():
@@ -215,7 +218,7 @@ class DaliSource:
         except DataError:
             raise
         except Exception as e:  # a sample DALI cannot decode: find it, then skip or stop
-            self._pipes.pop((split, res, max(batch, size)), None)
+            self._pipes.pop((split, res, max(batch, size), epoch if split == "train" else 0), None)
             bad = self._find_bad(split, ids, res)
             if not bad:
                 raise DataError(f"data: the {split} pipeline failed: {str(e).splitlines()[0]}") from None

@@ -120,8 +120,25 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _jsonable(x):
+    """Plain JSON types (tuples to lists, non-finite floats kept as floats)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+
+
 @dataclass
 class TrainResult:
+    summary: dict = field(default_factory=dict)
     epochs: list[dict] = field(default_factory=list)
     steps: int = 0
     img_per_sec: float = 0.0
@@ -132,8 +149,10 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print):
+    def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True):
         self.pc, self.run_dir, self.log = pc, Path(run_dir), log
+        self.telemetry = telemetry
+        self.data_wait = 0.0  # host seconds spent getting batches
         self.device = pick_device(pc)
         set_determinism(pc)
         self.compiled: Compiled = compile_plan(pc)
@@ -164,9 +183,9 @@ class Trainer:
         self.source = self._make_source()
         self.graphs = None
         self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
+        # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
+        # resumed follows the same learning-rate curve as one that never stopped)
         self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
-        if pc.trainer.max_steps:
-            self.total_steps = min(self.total_steps, pc.trainer.max_steps)
 
     def _make_source(self):
         pc = self.pc
@@ -215,7 +234,10 @@ class Trainer:
             v, i, size = s
             return (split, i, full, size, self.pc.variant(v).res)
         def batch(s):
-            return src.batch(*request(s), epoch=epoch)
+            t = time.perf_counter()
+            out = src.batch(*request(s), epoch=epoch)
+            self.data_wait += time.perf_counter() - t
+            return out
         def prefetch(k):  # decode step k's batch in the background (sources that can)
             if k < len(steps) and hasattr(src, "prefetch"):
                 src.prefetch(*request(steps[k]), epoch=epoch, after=self.feeder.last_copy_event())
@@ -260,15 +282,56 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ loop
+    def steps_before(self, epoch: int) -> int:
+        return sum(len(epoch_schedule(self.pc, e)) for e in range(epoch))
+
+    def _resume_point(self) -> tuple[int, int, list]:
+        """(epoch, step, history) to start from; restores the arena when resuming."""
+        from tr_hydra.runtime import checkpoint as ck
+        pc = self.pc
+        if not pc.resume:
+            return 0, 0, []
+        if pc.resume == "auto":
+            path = ck.newest_valid(self.run_dir, log=self.log)
+            if path is None:
+                self.log(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
+                return 0, 0, []
+        else:
+            path = Path(pc.resume)
+        state = ck.load(path)
+        ck.check_compatible(state, self.arena, pc.fingerprint(), pc.describe(), path)
+        ck.restore(state, self.arena)
+        step = int(state["position"]["step"])
+        epoch = 0
+        while epoch < pc.trainer.epochs and self.steps_before(epoch + 1) <= step:
+            epoch += 1
+        self.log(f"resumed from {path} at epoch {epoch + 1}, step {step}")
+        return epoch, step, list(state.get("history", []))
+
+    def save_checkpoint(self, epoch: int, step: int, history: list) -> Path:
+        from tr_hydra.runtime import checkpoint as ck
+        d = self.run_dir / "checkpoints"
+        d.mkdir(parents=True, exist_ok=True)
+        path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", self.arena,
+                       position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
+                       config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
+                       history=_jsonable(history))
+        ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
+        return path
+
     def fit(self) -> TrainResult:
+        from tr_hydra.telemetry.tensorboard import Telemetry
         pc = self.pc
         res = TrainResult(arena_bytes=self.compiled.plan.total_bytes)
-        self.capture()
+        start_epoch, step, history = self._resume_point()
+        self.capture()  # after the restore: warm-up snapshots and restores the resumed state
         res.capture_seconds = self.graphs.capture_seconds if self.graphs else 0.0
-        step, images, train_time = 0, 0, 0.0
+        tel = Telemetry(self.run_dir, self.compiled, self.arena, enabled=self.telemetry)
+        tel.start(step)
+        images, train_time, t_run = 0, 0.0, time.perf_counter()
         self.model.train()
-        for epoch in range(pc.trainer.epochs):
-            sched = epoch_schedule(pc, epoch)
+        for epoch in range(start_epoch, pc.trainer.epochs):
+            sched = epoch_schedule(pc, epoch)[step - self.steps_before(epoch):]  # skip what is done
             if pc.trainer.max_steps:
                 sched = sched[:max(pc.trainer.max_steps - step, 0)]
             if not sched:
@@ -276,15 +339,34 @@ class Trainer:
             self._sync()
             t0 = time.perf_counter()
             totals = {"loss": 0.0, "top1": 0.0, "top5": 0.0, "count": 0.0}
+            bar = _progress(len(sched), f"epoch {epoch + 1}/{pc.trainer.epochs}",
+                            pc.trainer.progress and sys.stderr.isatty())
+            mark = {"t": t0, "k": -1, "wait": 0.0}
 
-            def on_step(k, _n=len(sched)):
+            def on_step(k, _n=len(sched), _step0=step):
+                if bar:
+                    bar.update(1)
                 # the host reads the device accumulator once per log interval, never per step
                 if (k + 1) % pc.trainer.log_every == 0 or k + 1 == _n:
                     m = self.ex.read_metrics("train")
+                    now = time.perf_counter()
+                    n_steps = k - mark["k"]
+                    n_img = sum(s[2] for s in sched[mark["k"] + 1:k + 1])
                     for key in ("loss", "top1", "top5"):
                         totals[key] += m[key] * m["count"]
                     totals["count"] += m["count"]
+                    rate = n_img / max(now - mark["t"], 1e-9)
+                    tel.train(_step0 + k + 1, m, lr=self.ex.scalar("lr"), img_per_sec=rate,
+                              step_time_ms=1000 * (now - mark["t"]) / n_steps,
+                              data_wait_ms=1000 * (self.data_wait - mark["wait"]) / n_steps,
+                              loss_scale=self.ex.scalar("loss_scale") if self.ex.fp16 else None,
+                              skipped=self.ex.scalar("skipped"))
+                    if bar:
+                        bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:,.0f}")
+                    mark.update(t=now, k=k, wait=self.data_wait)
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
+            if bar:
+                bar.close()
             self._sync()
             dt = time.perf_counter() - t0
             n_img = sum(s[2] for s in sched)
@@ -293,20 +375,50 @@ class Trainer:
             train = {k: totals[k] / n for k in ("loss", "top1", "top5")} | {"count": totals["count"]}
             rec = {"epoch": epoch + 1, "step": step, "train": train,
                    "img_per_sec": n_img / dt, "lr": self.ex.scalar("lr")}
-            if pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
+            complete = step == self.steps_before(epoch + 1)
+            if complete and pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
                 self.ex.sema_switch()
-            if (epoch + 1) % pc.trainer.val_every == 0 or epoch + 1 == pc.trainer.epochs:
+            if complete and ((epoch + 1) % pc.trainer.val_every == 0 or epoch + 1 == pc.trainer.epochs):
                 rec.update(self.validate())
+                for name in ("val", "val_ema"):
+                    if name in rec:
+                        tel.val(step, name, rec[name])
             rec["nonfinite"] = self.ex.scalar("nonfinite")
             rec["skipped"] = self.ex.scalar("skipped")
-            res.epochs.append(rec)
+            history.append(rec)
             self.log(format_epoch(rec))
+            last = epoch + 1 == pc.trainer.epochs or (pc.trainer.max_steps and step >= pc.trainer.max_steps)
+            if pc.trainer.checkpoint_every and ((epoch + 1) % pc.trainer.checkpoint_every == 0 or last):
+                self.save_checkpoint(epoch + 1 if complete else epoch, step, history)
+            self.write_metrics(history)
+        res.epochs = history
         res.steps = step
         res.img_per_sec = images / train_time if train_time else 0.0
         if self.device.type == "cuda":
             res.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
         res.final_path = str(self.save_final())
+        vals = [r["val"]["top1"] for r in history if "val" in r]
+        summary = {"best_val_top1": max(vals) if vals else float("nan"),
+                   "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
+                   "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
+                   "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
+                   "steps": step}
+        res.summary = summary
+        self.write_metrics(history, summary)
+        tel.close(_jsonable(self.pc.to_dict()), summary)
+        self.log(f"summary: best val top1 {summary['best_val_top1']:.2f}  total {summary['total_seconds']:.1f}s  "
+                 f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
+                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB")
         return res
+
+    def write_metrics(self, history: list, summary: dict | None = None) -> None:
+        import json
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "metrics.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"history": _jsonable(history), "summary": _jsonable(summary or {}),
+                                   "describe": self.pc.describe()}, indent=1))
+        os.replace(tmp, path)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,150 @@
+"""TensorBoard telemetry into the run dir: training and validation scalars, region telemetry
+(bytes per region and series, L2 norms of the populated W/G/M/V/E spans), the region table, a
+picture of the arena, and the config as hparams."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tr_hydra.memory.regions import ALL_REGIONS, SERIES_ORDER, series_of
+
+NORM_SERIES = ("W", "G", "M", "V", "E")
+SERIES_COLORS = {"B": (76, 114, 176), "W": (221, 132, 82), "E": (85, 168, 104), "E16": (140, 200, 150),
+                 "A": (196, 78, 82), "G": (129, 114, 179), "R": (40, 40, 40), "G16": (170, 160, 210),
+                 "M": (147, 120, 96), "V": (218, 139, 195), "N": (140, 140, 140), "I": (204, 185, 116),
+                 "F": (100, 181, 205), "S": (60, 60, 60), "T": (180, 180, 180)}
+
+
+class SpanNorms:
+    """L2 norm of every populated W, G, M, V, E span: one reduction each on the device, read in
+    one transfer when the metrics are read."""
+
+    def __init__(self, arena):
+        self.views: list[tuple[str, torch.Tensor]] = []
+        plan = arena.plan
+        for series in NORM_SERIES:
+            regions = [r for r in ALL_REGIONS if series_of(r) == series and plan.region_size[r]]
+            if regions:
+                self.views.append((series, arena.span(regions[0], regions[-1], torch.float32)))
+
+    def read(self) -> dict[str, float]:
+        if not self.views:
+            return {}
+        vals = torch.stack([v.norm() for _, v in self.views]).tolist()
+        return {name: val for (name, _), val in zip(self.views, vals)}
+
+
+def memory_map_image(plan, width: int = 1200, height: int = 260) -> np.ndarray:
+    """The arena drawn to scale: one band, regions as coloured blocks, labelled where wide."""
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (width, height), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    total = max(plan.total_bytes, 1)
+    top, band = 30, 110
+    d.text((8, 6), f"arena {total / 2**20:,.1f} MiB, 68 regions (to scale)", fill=(0, 0, 0))
+    label_y = top + band + 8
+    for r in ALL_REGIONS:
+        size = plan.region_size[r]
+        if not size:
+            continue
+        x0 = int(plan.region_base[r] / total * (width - 1))
+        x1 = max(x0 + 1, int((plan.region_base[r] + size) / total * (width - 1)))
+        d.rectangle([x0, top, x1, top + band], fill=SERIES_COLORS[series_of(r)], outline=(255, 255, 255))
+        if x1 - x0 > 60:
+            d.text((x0 + 3, top + 4), r.name, fill=(0, 0, 0))
+            d.text((x0 + 3, top + 18), f"{size / 2**20:.1f} MiB", fill=(0, 0, 0))
+    x = 8
+    for s in SERIES_ORDER:
+        b = sum(plan.region_size[r] for r in ALL_REGIONS if series_of(r) == s)
+        if not b:
+            continue
+        d.rectangle([x, label_y, x + 12, label_y + 12], fill=SERIES_COLORS[s])
+        text = f"{s} {100 * b / total:.1f}%"
+        d.text((x + 16, label_y), text, fill=(0, 0, 0))
+        x += 22 + 7 * len(text)
+    return np.asarray(img)
+
+
+def region_table_markdown(plan) -> str:
+    rows = ["| no. | region | tensors | bytes | base offset | share |", "|---|---|---:|---:|---:|---:|"]
+    for r in ALL_REGIONS:
+        if plan.region_size[r]:
+            rows.append(f"| {r.number} | {r.name} | {len(plan.tensors_in(r))} | {plan.region_size[r]:,} | "
+                        f"{plan.region_base[r]:,} | {100 * plan.region_size[r] / plan.total_bytes:.2f}% |")
+    return "\n".join(rows)
+
+
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """Nested config -> {"optimizer.lr": 0.1, ...} with values TensorBoard's hparams accept."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_config(v, key + "."))
+        elif isinstance(v, (bool, int, float, str)):
+            out[key] = v
+        elif v is None:
+            out[key] = "null"
+        else:
+            out[key] = str(v)
+    return out
+
+
+class Telemetry:
+    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True):
+        self.enabled = enabled
+        self.norms = SpanNorms(arena)
+        self.plan = compiled.plan
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+
+    def start(self, step: int = 0) -> None:
+        if not self.writer:
+            return
+        w, plan = self.writer, self.plan
+        for r in ALL_REGIONS:
+            if plan.region_size[r]:
+                w.add_scalar(f"regions/bytes/{r.number}_{r.name}", plan.region_size[r], step)
+        for s, b in plan.series_bytes().items():
+            if b:
+                w.add_scalar(f"series/bytes/{s}", b, step)
+                w.add_scalar(f"series/fraction/{s}", b / plan.total_bytes, step)
+        w.add_scalar("arena/total_bytes", plan.total_bytes, step)
+        w.add_text("arena/region_table", region_table_markdown(plan), step)
+        w.add_image("arena/memory_map", memory_map_image(plan), step, dataformats="HWC")
+
+    def train(self, step: int, m: dict, *, lr: float, img_per_sec: float, step_time_ms: float,
+              data_wait_ms: float, loss_scale: float | None, skipped: float) -> None:
+        if not self.writer:
+            return
+        w = self.writer
+        for k in ("loss", "top1", "top5"):
+            w.add_scalar(f"train/{k}", m[k], step)
+        w.add_scalar("lr", lr, step)
+        w.add_scalar("img_per_sec", img_per_sec, step)
+        w.add_scalar("step_time_ms", step_time_ms, step)
+        w.add_scalar("data_wait_ms", data_wait_ms, step)
+        w.add_scalar("skipped_steps", skipped, step)
+        if loss_scale is not None:
+            w.add_scalar("loss_scale", loss_scale, step)
+        for name, val in self.norms.read().items():
+            w.add_scalar(f"norms/{name}", val, step)
+
+    def val(self, step: int, name: str, m: dict) -> None:
+        if self.writer:
+            for k in ("loss", "top1", "top5"):
+                self.writer.add_scalar(f"{name}/{k}", m[k], step)
+
+    def close(self, config: dict | None = None, final: dict | None = None) -> None:
+        if not self.writer:
+            return
+        if config is not None and final:
+            clean = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+            self.writer.add_hparams(flat_config(config), clean, run_name=".")
+        self.writer.flush()
+        self.writer.close()
