@@ -25,10 +25,21 @@ def run(cfg) -> dict:
         pc = plan_config_from(cfg)
         run_dir = HydraConfig.get().runtime.output_dir
         trainer = Trainer(pc, run_dir)
+        if not trainer.is_main:
+            try:
+                trainer.fit()
+            finally:
+                from tr_hydra.runtime.distributed import shutdown
+                shutdown()
+            return {}
         print(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
               f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}",
               flush=True)
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        finally:
+            from tr_hydra.runtime.distributed import shutdown
+            shutdown()
     last = result.epochs[-1] if result.epochs else {}
     print(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
           f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "
@@ -57,9 +68,20 @@ def _expand_rerun(argv: list[str]) -> list[str]:
     return out
 
 
+def _rank_overrides() -> list[str]:
+    """Under torchrun only rank 0 keeps a run dir; the others write nothing of their own."""
+    from tr_hydra.runtime.distributed import env_world
+    w = env_world()
+    if w is None or w[0] == 0:
+        return []
+    import tempfile
+    return ["hydra.output_subdir=null", f"hydra.run.dir={tempfile.gettempdir()}/tr_hydra_rank{w[0]}",
+            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    argv = _expand_rerun(argv)
+    argv = _expand_rerun(argv) + _rank_overrides()
     if not _is_multirun(argv) and not any(a.startswith("--") for a in argv):
         # Compose once up front so a bad override is one line, not a Hydra report.
         with user_errors("tr-train"):

@@ -127,9 +127,15 @@ def build_program(compiled) -> StepProgram:
         Node(GraphId.BACKWARD, "backward", (series_span("G16", MATRIX_KINDS) if amp else g_mat,),
              note="autograd accumulates in place into the preset .grad views"),
     ]
-    bucket1 = (R.G_DEEP_CONV_FP16, R.G_DEEP_CONV_FP16) if amp else (R.G_DEEP_CONV, R.G_DEEP_CONV)
-    t.append(Node(GraphId.GRAD_ALLREDUCE, RangeOp.RANGE_MEAN_ALLREDUCE.value,
-                  (bucket1, (R.G_BN_BIAS, R.G_FIRST_CONV)), note="no-op with one process"))
+    # bucket 1: the deep convs; bucket 2: BN, fc and first conv (16-bit spans under AMP, whose
+    # BN / bias gradients stay fp32). The loss gradient carries 1/world_size, so SUM is the mean.
+    if amp:
+        buckets = ((R.G_DEEP_CONV_FP16, R.G_DEEP_CONV_FP16), (R.G_FC_WEIGHT_FP16, R.G_FIRST_CONV_FP16),
+                   (R.G_BN_BIAS, R.G_FC_BIAS))
+    else:
+        buckets = ((R.G_DEEP_CONV, R.G_DEEP_CONV), (R.G_BN_BIAS, R.G_FIRST_CONV))
+    t.append(Node(GraphId.GRAD_ALLREDUCE, RangeOp.RANGE_MEAN_ALLREDUCE.value, buckets,
+                  note="no-op with one process" if pc.world_size == 1 else f"{pc.world_size} ranks"))
     if amp:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_CAST_FP16_TO_FP32.value,
                       (g_mat, series_span("G16", MATRIX_KINDS)),

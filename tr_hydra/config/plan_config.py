@@ -93,6 +93,14 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True)
+class DistSpec:
+    mode: str = "none"
+    lr_scaling: str = "none"
+    base_batch: int = 256
+    timeout_s: int = 600
+
+
+@dataclass(frozen=True)
 class VariantSpec:
     name: str       # train_base, train_last, train_lowres, train_lowres_last, val_base, val_last
     train: bool
@@ -107,6 +115,8 @@ class PlanConfig:
     data: DataSpec = field(default_factory=DataSpec)
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    dist: DistSpec = field(default_factory=DistSpec)
+    world_size: int = 1          # ranks; train_size / val_size are per rank
     variants: tuple[VariantSpec, ...] = ()
     batch_size: int = 64
     val_batch_size: int = 128
@@ -155,6 +165,7 @@ class PlanConfig:
             "optimizer": self.optimizer.name, "amp": self.amp, "amp_dtype": self.amp_dtype,
             "ema": self.ema, "bn_folded": self.bn_folded, "channels": self.data.channels,
             "variants": [dataclasses.asdict(v) for v in self.variants],
+            "world_size": self.world_size,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -199,8 +210,11 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-def plan_config_from(cfg) -> PlanConfig:
-    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass)."""
+def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
+    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass).
+
+    With dist=ddp the world size comes from torchrun's environment (or ``world_size``); every
+    rank sees floor(N / world_size) samples per epoch, so all ranks compile the same plan."""
     from omegaconf import DictConfig, OmegaConf
 
     from tr_hydra.data.sizes import dataset_sizes
@@ -211,6 +225,16 @@ def plan_config_from(cfg) -> PlanConfig:
     data = _freeze(DataSpec, cfg.data)
     trainer = _freeze(TrainerSpec, cfg.trainer)
     runtime = _freeze(RuntimeSpec, cfg.runtime)
+    dspec = _freeze(DistSpec, cfg.dist)
+    if world_size is None:
+        world_size = 1
+        if dspec.mode == "ddp":
+            from tr_hydra.runtime.distributed import TORCHRUN_HINT, env_world
+            w = env_world()
+            if w is None:
+                raise ConfigError(f"dist=ddp: RANK/WORLD_SIZE are not set; {TORCHRUN_HINT}")
+            world_size = w[1]
+    _check(dspec.base_batch >= 1, "dist.base_batch", "must be >= 1")
     v = cfg.variants
 
     _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
@@ -251,11 +275,17 @@ def plan_config_from(cfg) -> PlanConfig:
     _check(0 < cfg.ema_decay < 1, "ema_decay", f"must be in (0, 1), got {cfg.ema_decay}")
 
     train_size, val_size = dataset_sizes(data, v.train_size, v.val_size)
+    if world_size > 1:
+        if train_size < world_size or val_size < world_size:
+            raise ConfigError(f"dist: {train_size} train / {val_size} val samples cannot be shared by "
+                              f"{world_size} ranks")
+        train_size, val_size = train_size // world_size, val_size // world_size
     variants = make_variants(train_size=train_size, val_size=val_size, batch_size=v.batch_size,
                              val_batch_size=v.val_batch_size, base_res=v.base_res,
                              lowres_res=v.lowres_res, lowres_epochs=v.lowres_epochs,
                              val_res=v.val_res, drop_last=data.drop_last)
     return PlanConfig(model=model, optimizer=opt, data=data, trainer=trainer, runtime=runtime,
+                      dist=dspec, world_size=world_size,
                       variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
                       amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),

@@ -18,6 +18,7 @@ class ModelName(enum.Enum):
     resnet50 = "resnet50"
     resnet18_cifar = "resnet18_cifar"
     resnet_mini = "resnet_mini"
+    convnet_mini = "convnet_mini"
 
 
 class OptimizerName(enum.Enum):
@@ -57,6 +58,16 @@ class Device(enum.Enum):
 class CompileMode(enum.Enum):
     none = "none"
     inductor = "inductor"
+
+
+class DistMode(enum.Enum):
+    none = "none"
+    ddp = "ddp"
+
+
+class LrScaling(enum.Enum):
+    none = "none"
+    linear = "linear"
 
 
 class PlanFormat(enum.Enum):
@@ -160,6 +171,14 @@ class PlanSection:
 
 
 @dataclass
+class DistConfig:
+    mode: DistMode = DistMode.none
+    lr_scaling: LrScaling = LrScaling.none
+    base_batch: int = 256
+    timeout_s: int = 600
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -168,6 +187,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanSection = field(default_factory=PlanSection)
+    dist: DistConfig = field(default_factory=DistConfig)
     recipe: Optional[Any] = None
     amp: bool = False
     amp_dtype: AmpDtype = AmpDtype.bf16

@@ -103,3 +103,25 @@ class ResNetMini(nn.Module):
 @register_model("resnet_mini")
 def resnet_mini(num_classes: int, width: int = 16, **_) -> nn.Module:
     return ResNetMini(num_classes=num_classes, width=width)
+
+
+class ConvNetMini(nn.Module):
+    """Two convs, ReLU, global pool, fc, no BatchNorm: its gradient is a plain mean over the
+    batch, so data-parallel equivalence can be checked exactly."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, 2, 1, bias=False)
+        self.relu = nn.ReLU()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x):
+        x = self.relu(self.conv2(self.relu(self.conv1(x))))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+@register_model("convnet_mini")
+def convnet_mini(num_classes: int, width: int = 16, **_) -> nn.Module:
+    return ConvNetMini(num_classes=num_classes, width=width)

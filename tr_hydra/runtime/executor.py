@@ -36,10 +36,12 @@ class StepContext:
 
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
-                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None):
         self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
         self.model = model
         self.forward_fn = forward if forward is not None else model
+        from tr_hydra.runtime.distributed import SINGLE
+        self.dist = dist_ctx or SINGLE
         self.device = arena.device
         self.amp = self.pc.amp
         self.fp16 = self.pc.amp and self.pc.amp_dtype == "fp16"
@@ -129,7 +131,14 @@ class StepExecutor:
             buf = self._span(n.spans[0], torch.uint8)
             return lambda ctx: ops.clear(buf)
         if op == "RANGE_MEAN_ALLREDUCE":
-            return lambda ctx: None  # one process: nothing to reduce
+            if self.dist.world_size <= 1:
+                return lambda ctx: None  # one process: nothing to reduce
+            from tr_hydra.runtime.distributed import all_reduce_sum
+            views = [self._span(s) for s in n.spans]
+            def allreduce(ctx):
+                for v in views:  # SUM: the loss gradient already carries 1/world_size
+                    all_reduce_sum(self.dist, v)
+            return allreduce
         if op in ("RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"):
             dst, src = self._span(n.spans[0]), self._span(n.spans[1])
             scale = self.s[n.arg("scale")] if n.arg("scale") else None
@@ -204,7 +213,7 @@ class StepExecutor:
         loss_sum = -(dist * logp).sum()
         if train:  # d(mean loss)/d logits, times the loss scale (1 unless fp16)
             gslot = self._variant_view("grad_slot0", ctx.variant)
-            gslot.copy_((logp.exp() - dist) * (self.s["loss_scale"] / b))
+            gslot.copy_((logp.exp() - dist) * (self.s["loss_scale"] / (b * self.dist.world_size)))
         pred = lf.argmax(1)
         self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1).copy_(pred)
         top = lf.topk(min(5, k), dim=1).indices
@@ -304,9 +313,21 @@ class StepExecutor:
             if self.amp:
                 ops.cast(a.span(*series_span("A", MATRIX_KINDS)), a.span(*series_span("W", MATRIX_KINDS)))
 
+    def sync_bn_stats(self) -> None:
+        """RANGE_BN_STATS_ALLREDUCE: the mean over ranks of the running statistics (and of their
+        EMA twins), before validation and checkpoints."""
+        if self.dist.world_size <= 1:
+            return
+        from tr_hydra.runtime.distributed import all_reduce_mean
+        end = R.B_NEXT_VAR if self.pc.ema else R.B_PREV_VAR
+        with torch.no_grad():
+            all_reduce_mean(self.dist, self.arena.span(R.B_PREV_MEAN, end))
+
     def read_metrics(self, name: str, reset: bool = True) -> dict[str, float]:
         """One host read of an accumulator: mean loss, top1, top5 (percent), sample count."""
         acc = self.acc[name]
+        from tr_hydra.runtime.distributed import all_reduce_sum
+        all_reduce_sum(self.dist, acc)  # every rank's samples
         vals = acc.tolist()
         if reset:
             acc.zero_()

@@ -120,6 +120,11 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+from tr_hydra.memory.regions import Region as _R
+
+_W_SPAN = (_R.W_BN_BIAS, _R.W_DEEP_CONV)  # the master weights, compared across ranks
+
+
 def _jsonable(x):
     """Plain JSON types (tuples to lists, non-finite floats kept as floats)."""
     if isinstance(x, dict):
@@ -150,12 +155,22 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True):
-        self.pc, self.run_dir, self.log = pc, Path(run_dir), log
-        self.telemetry = telemetry
+        from tr_hydra.runtime import distributed
+        self.pc, self.run_dir = pc, Path(run_dir)
         self.data_wait = 0.0  # host seconds spent getting batches
         self.device = pick_device(pc)
+        self.dist = distributed.init(pc.dist.mode, self.device.type, pc.dist.timeout_s)
+        if self.device.type == "cuda" and self.dist.backend:
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.is_main = self.dist.is_main  # only rank 0 logs and writes files
+        self.log = log if self.is_main else (lambda *_: None)
+        self.telemetry = telemetry and self.is_main
         set_determinism(pc)
         self.compiled: Compiled = compile_plan(pc)
+        distributed.check_same_plan(self.dist, pc.fingerprint(), pc.describe())
+        self.lr_scale = 1.0
+        if pc.dist.lr_scaling == "linear":
+            self.lr_scale = pc.batch_size * pc.world_size / pc.dist.base_batch
         torch.manual_seed(pc.seed)
         model = instantiate_model(pc, "cpu")
         if pc.model.init_from:
@@ -178,7 +193,7 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             forward = torch.compile(model, dynamic=False)
-        self.ex = StepExecutor(self.compiled, self.arena, model, forward)
+        self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist)
         self.feeder = Feeder(self.ex)
         self.source = self._make_source()
         self.graphs = None
@@ -192,10 +207,10 @@ class Trainer:
         dt = self.arena.torch_dtype(DType.FP16 if pc.amp else DType.FP32)
         if pc.data.name == "synthetic":
             from tr_hydra.data.synthetic import SyntheticSource
-            return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed, self.device, dt,
-                                   pc.train_size, pc.val_size)
+            return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed + 1009 * self.dist.rank,
+                                   self.device, dt, pc.train_size, pc.val_size)
         from tr_hydra.data.dali_source import DaliSource
-        return DaliSource(pc, self.device, dt, log=self.log)
+        return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
 
     # ------------------------------------------------------------------ steps
     def _train_step(self, variant: str, buf: str) -> None:
@@ -247,7 +262,8 @@ class Trainer:
         for k, s in enumerate(steps):
             buf = bufs[k % 2]
             if split == "train":
-                self.ex.set_lr(lr_at(self.pc.optimizer, step0 + k, self.steps_per_epoch, self.total_steps))
+                self.ex.set_lr(self.lr_scale * lr_at(self.pc.optimizer, step0 + k, self.steps_per_epoch,
+                                                     self.total_steps))
             self.feeder.before_step(buf)
             if split == "train":
                 self._train_step(s[0], buf)
@@ -263,6 +279,7 @@ class Trainer:
 
     def validate(self) -> dict[str, dict]:
         out = {}
+        self.ex.sync_bn_stats()
         self.ex.before_validation()
         self.model.eval()
         with self.ex.folded():
@@ -288,14 +305,18 @@ class Trainer:
     def _resume_point(self) -> tuple[int, int, list]:
         """(epoch, step, history) to start from; restores the arena when resuming."""
         from tr_hydra.runtime import checkpoint as ck
+        from tr_hydra.runtime.distributed import broadcast
         pc = self.pc
         if not pc.resume:
             return 0, 0, []
         if pc.resume == "auto":
-            path = ck.newest_valid(self.run_dir, log=self.log)
+            # rank 0 picks the checkpoint; every rank loads that same file
+            found = ck.newest_valid(self.run_dir, log=self.log) if self.is_main else None
+            path = broadcast(self.dist, str(found) if found else None)
             if path is None:
                 self.log(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
                 return 0, 0, []
+            path = Path(path)
         else:
             path = Path(pc.resume)
         state = ck.load(path)
@@ -308,15 +329,21 @@ class Trainer:
         self.log(f"resumed from {path} at epoch {epoch + 1}, step {step}")
         return epoch, step, list(state.get("history", []))
 
-    def save_checkpoint(self, epoch: int, step: int, history: list) -> Path:
+    def save_checkpoint(self, epoch: int, step: int, history: list) -> Path | None:
         from tr_hydra.runtime import checkpoint as ck
+        from tr_hydra.runtime.distributed import barrier
+        self.ex.sync_bn_stats()  # every rank: the collective needs them all
         d = self.run_dir / "checkpoints"
+        if not self.is_main:
+            barrier(self.dist)
+            return None
         d.mkdir(parents=True, exist_ok=True)
         path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", self.arena,
                        position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
                        config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
                        history=_jsonable(history))
         ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
+        barrier(self.dist)
         return path
 
     def fit(self) -> TrainResult:
@@ -413,6 +440,8 @@ class Trainer:
 
     def write_metrics(self, history: list, summary: dict | None = None) -> None:
         import json
+        if not self.is_main:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.json"
         tmp = path.with_suffix(".json.tmp")
@@ -428,7 +457,15 @@ class Trainer:
         return self.arena.state_dict_from_arena(self.model, int(self.ex.scalar("step_count")))
 
     def save_final(self) -> Path:
+        from tr_hydra.runtime.distributed import weights_agree
+        if not weights_agree(self.dist, self.arena.span(*_W_SPAN)):
+            raise RuntimeError("data parallel: the ranks ended with different weights")
+        if self.pc.world_size > 1:
+            self.log(f"weights identical on all {self.pc.world_size} ranks")
+        self.ex.sync_bn_stats()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.is_main:
+            return self.run_dir / "model_final.pt"
         path = self.run_dir / "model_final.pt"
         atomic_save(self.final_state_dict(), path)
         return path
