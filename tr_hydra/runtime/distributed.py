@@ -94,12 +94,14 @@ def broadcast(ctx: DistContext, obj):
 
 
 def all_reduce_sum(ctx: DistContext, t: torch.Tensor) -> None:
-    if ctx.world_size > 1:
+    # with dist=ddp the collective runs even for one rank (torchrun --nproc_per_node=1 exercises
+    # the same path, NCCL inside the captured graph included)
+    if ctx.backend:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
 def all_reduce_mean(ctx: DistContext, t: torch.Tensor) -> None:
-    if ctx.world_size > 1:
+    if ctx.backend:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t.div_(ctx.world_size)
 

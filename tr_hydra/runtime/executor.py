@@ -131,8 +131,8 @@ class StepExecutor:
             buf = self._span(n.spans[0], torch.uint8)
             return lambda ctx: ops.clear(buf)
         if op == "RANGE_MEAN_ALLREDUCE":
-            if self.dist.world_size <= 1:
-                return lambda ctx: None  # one process: nothing to reduce
+            if not self.dist.backend:
+                return lambda ctx: None  # one process, no process group: nothing to reduce
             from tr_hydra.runtime.distributed import all_reduce_sum
             views = [self._span(s) for s in n.spans]
             def allreduce(ctx):
@@ -316,7 +316,7 @@ class StepExecutor:
     def sync_bn_stats(self) -> None:
         """RANGE_BN_STATS_ALLREDUCE: the mean over ranks of the running statistics (and of their
         EMA twins), before validation and checkpoints."""
-        if self.dist.world_size <= 1:
+        if not self.dist.backend:
             return
         from tr_hydra.runtime.distributed import all_reduce_mean
         end = R.B_NEXT_VAR if self.pc.ema else R.B_PREV_VAR
