@@ -40,6 +40,8 @@ def run(cfg) -> dict:
         finally:
             from tr_hydra.runtime.distributed import shutdown
             shutdown()
+    if result.preempted:
+        return {}
     last = result.epochs[-1] if result.epochs else {}
     print(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
           f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "

@@ -144,18 +144,18 @@ def build_program(compiled) -> StepProgram:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_GRAD_SCALING.value,
                       ((R.G_BN_BIAS, R.G_FC_BIAS),), args=(("scale", "inv_loss_scale"),),
                       note="unscale the fp32 BN / bias gradients"))
-    t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_CHECK_NAN.value, ((R.G_BN_BIAS, R.G_DEEP_CONV),),
-                  args=(("flag", "found_inf"), ("gate", "1" if fp16 else "")),
-                  note="sets found_inf; fp16 skips the update" if fp16 else "counts non-finite steps"))
+    t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_CHECK_NAN.value, ((R.G_BN_BIAS, R.R_RESULT),),
+                  args=(("flag", "found_inf"), ("fp16", "1" if fp16 else "")),
+                  note="a non-finite step is skipped: weights and state untouched"))
     bias_op, weight_op = UPDATE_OPS[opt]
     if opt == "adamw" and not pc.optimizer.wd_exclude_bn_bias:
         bias_op = RangeOp.RANGE_UPDATE_WEIGHT_ADAMW  # decoupled decay on biases too
     def opt_spans(w, g, kinds):
         spans = [w, g] + [series_span(s, kinds) for s in state if s != "N"]
         return tuple(spans)
-    gate = (("gate", "found_inf"),) if fp16 else ()
-    t.append(Node(GraphId.OPTIMIZER, "advance_step", (), args=(("gate", "found_inf" if fp16 else ""),),
-                  note="step += 1 (not on a skipped fp16 step)"))
+    gate = (("gate", "found_inf"),)
+    t.append(Node(GraphId.OPTIMIZER, "advance_step", (), args=(("gate", "found_inf"),),
+                  note="step += 1 (not on a skipped step)"))
     t.append(Node(GraphId.OPTIMIZER, bias_op.value, opt_spans(w_bias, g_bias, BIAS_KINDS),
                   args=(("wd", "bias_weight_decay"),) + gate, note="BN weight/bias, fc bias"))
     wspans = opt_spans(w_mat, g_mat, MATRIX_KINDS)

@@ -401,7 +401,7 @@ def twin_elements(plan: MemoryPlan, series_a: str, series_b: str, kinds: Iterabl
 # schedules change values without re-capturing the step.
 FP32_SCALARS = ("lr", "momentum", "beta1", "beta2", "eps", "weight_decay", "bias_weight_decay",
                 "trust_coefficient", "step", "loss_scale", "inv_loss_scale", "found_inf",
-                "ema_decay", "nonfinite", "skipped")
+                "ema_decay", "nonfinite", "skipped", "nonfinite_step")
 INT32_SCALARS = ("growth_tracker", "step_count")
 RESULT_FIELDS = ("loss_sum", "correct1", "correct5", "count")
 

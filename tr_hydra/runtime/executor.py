@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tr_hydra.compiler.compile import Compiled
 from tr_hydra.compiler.program import Node
 from tr_hydra.memory.arena import ArenaKeeper
-from tr_hydra.memory.plan import RESULT_FIELDS
+from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
 from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
 from tr_hydra.ops import range_ops as ops
 from tr_hydra.ops.optimizers import HyperScalars, apply_update
@@ -50,10 +50,7 @@ class StepExecutor:
         def scalar(name):
             return arena.view(pl["scalar." + name]).view(1)
 
-        self.s = {n: scalar(n) for n in ("lr", "momentum", "beta1", "beta2", "eps", "weight_decay",
-                                         "bias_weight_decay", "trust_coefficient", "step",
-                                         "loss_scale", "inv_loss_scale", "found_inf", "ema_decay",
-                                         "nonfinite", "skipped", "growth_tracker", "step_count")}
+        self.s = {n: scalar(n) for n in FP32_SCALARS + INT32_SCALARS}
         self.h = HyperScalars(lr=self.s["lr"], momentum=self.s["momentum"], beta1=self.s["beta1"],
                               beta2=self.s["beta2"], eps=self.s["eps"], step=self.s["step"],
                               trust_coefficient=self.s["trust_coefficient"])
@@ -97,6 +94,7 @@ class StepExecutor:
                   "loss_scale": self.pc.trainer.loss_scale if self.fp16 else 1.0,
                   "inv_loss_scale": 1.0 / self.pc.trainer.loss_scale if self.fp16 else 1.0,
                   "found_inf": 0.0, "ema_decay": self.pc.ema_decay, "nonfinite": 0.0, "skipped": 0.0,
+                  "nonfinite_step": 0.0,
                   "lr": o.lr, "growth_tracker": 0, "step_count": 0}
         with torch.no_grad():
             for k, v in values.items():
@@ -151,12 +149,7 @@ class StepExecutor:
             buf, scale = self._span(n.spans[0]), self.s[n.arg("scale")]
             return lambda ctx: ops.scale_inplace(buf, scale)
         if op == "RANGE_CHECK_NAN":
-            span, flag = self._span(n.spans[0]), self.s["found_inf"]
-            counter = self.s["skipped"] if n.arg("gate") else self.s["nonfinite"]
-            def check(ctx):
-                ops.check_nonfinite(span, flag)
-                counter.add_(flag)
-            return check
+            return self._resolve_check(n)
         if op.startswith("RANGE_UPDATE_"):
             return self._resolve_update(n)
         if op == "RANGE_EMA_PARAM_UPDATE":
@@ -176,6 +169,35 @@ class StepExecutor:
             eps = self._bn_eps
             return lambda ctx: ops.bn_fold(eqb, eqs, bb, bw, mean, var, eps)
         raise NotImplementedError(f"no executor for node {op}")
+
+    def _resolve_check(self, n: Node):
+        """One sum per region of the span (every gradient region, and the step's loss in
+        R_RESULT): the step's flag, and which regions were non-finite at the first bad step."""
+        start, end = n.spans[0]
+        regions = [Region(i) for i in range(start, end + 1) if self.plan.region_size[Region(i)]]
+        views = [self.arena.span(r, r) for r in regions]
+        self.check_regions = regions
+        flag, skipped, nonfinite = self.s["found_inf"], self.s["skipped"], self.s["nonfinite"]
+        first_step, step = self.s["nonfinite_step"], self.s["step"]
+        mask = self.nonfinite_mask[:len(regions)]
+        fp16 = bool(n.arg("fp16"))
+        def check(ctx):
+            bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
+            flag.copy_(bad.any().float().view(1))
+            # fp16 overflow is the loss-scale search at work; anything else is a fault
+            (skipped if fp16 else nonfinite).add_(flag)
+            first = (mask.sum() == 0) & bad.any()  # keep the first bad step's regions
+            mask.copy_(torch.where(first, bad.to(mask.dtype), mask))
+            first_step.copy_(torch.where(first, step + 1, first_step))
+        return check
+
+    def nonfinite_report(self) -> str:
+        """Where the first non-finite value was seen (read on demand, one host transfer)."""
+        mask = self.nonfinite_mask[:len(self.check_regions)].tolist()
+        names = [r.name for r, m in zip(self.check_regions, mask) if m]
+        step = int(self.scalar("nonfinite_step"))
+        where = ", ".join("loss" if n == "R_RESULT" else n for n in names) or "unknown"
+        return f"first at step {step} in {where}"
 
     def _resolve_update(self, n: Node):
         w, g = self._span(n.spans[0]), self._span(n.spans[1])

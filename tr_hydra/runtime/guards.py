@@ -34,7 +34,8 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     fixed = need - per_sample * batch
     fits = int((free_bytes - fixed) // per_sample) if free_bytes > fixed else 0
     advice = (f"the largest batch that fits is about {fits} (variants.batch_size={fits})" if fits >= 1
-              else "even batch 1 does not fit: use a smaller model or amp=true")
+              else "even batch 1 does not fit: use a smaller model or resolution"
+              + ("" if pc.amp else ", or amp=true"))
     raise MemoryPlanError(
         f"variants.batch_size={batch}: the plan needs about {need / GiB:.2f} GiB on {device} "
         f"(arena {arena / GiB:.2f} GiB + activations {act / GiB:.2f} GiB + 10% headroom) but only "

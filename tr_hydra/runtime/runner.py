@@ -141,8 +141,17 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
+class _Stop(Exception):
+    """Leaves the epoch loop at a step boundary (preemption, or an error after a checkpoint)."""
+
+    def __init__(self, step: int, epoch: int, error: Exception | None = None):
+        super().__init__(step)
+        self.step, self.epoch, self.error = step, epoch, error
+
+
 @dataclass
 class TrainResult:
+    preempted: bool = False
     summary: dict = field(default_factory=dict)
     epochs: list[dict] = field(default_factory=list)
     steps: int = 0
@@ -184,6 +193,10 @@ class Trainer:
             deterministic_pools(model)
         self.model = model
         half = torch.float16 if pc.amp_dtype == "fp16" else torch.bfloat16
+        if self.device.type == "cuda":
+            from tr_hydra.runtime.guards import check_memory
+            free, _ = torch.cuda.mem_get_info(self.device)
+            check_memory(self.compiled, free, str(self.device))
         self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
         self.arena.bind(model, pc.amp, pc.ema)
         forward = model
@@ -233,7 +246,14 @@ class Trainer:
         self.graphs = CudaGraphs(self.ex)
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
-        self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps)
+        try:
+            self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps)
+        except torch.cuda.OutOfMemoryError:
+            from tr_hydra.runtime.guards import MemoryPlanError, capture_oom_message
+            self.graphs = None
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            raise MemoryPlanError(capture_oom_message(self.compiled, free, str(self.device))) from None
         self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
                  f"in {self.graphs.capture_seconds:.1f}s")
 
@@ -357,6 +377,60 @@ class Trainer:
         tel.start(step)
         images, train_time, t_run = 0, 0.0, time.perf_counter()
         self.model.train()
+        from tr_hydra.runtime.guards import PreemptionGuard
+        with PreemptionGuard() as guard:
+            try:
+                step, images, train_time = self._epochs(start_epoch, step, history, tel, guard,
+                                                        images, train_time)
+            except _Stop as stop:
+                step = stop.step
+                self._sync()
+                path = self.save_checkpoint(stop.epoch, step, history)
+                self.write_metrics(history)
+                tel.close()
+                if stop.error is not None:
+                    self.log(f"checkpoint before stopping: {path}")
+                    raise stop.error
+                self.log(f"stopped by {guard.stop.signal_name} at step {step}; checkpoint {path}; "
+                         f"continue with resume=auto (same run dir)")
+                res.epochs, res.steps, res.preempted = history, step, True
+                return res
+        res.epochs = history
+        res.steps = step
+        res.img_per_sec = images / train_time if train_time else 0.0
+        if self.device.type == "cuda":
+            res.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        res.final_path = str(self.save_final())
+        vals = [r["val"]["top1"] for r in history if "val" in r]
+        summary = {"best_val_top1": max(vals) if vals else float("nan"),
+                   "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
+                   "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
+                   "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
+                   "steps": step}
+        res.summary = summary
+        self.write_metrics(history, summary)
+        tel.close(_jsonable(self.pc.to_dict()), summary)
+        self.log(f"summary: best val top1 {summary['best_val_top1']:.2f}  total {summary['total_seconds']:.1f}s  "
+                 f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
+                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB")
+        return res
+
+    def _check_health(self, step: int) -> None:
+        """At each metrics read: stop on repeated non-finite steps or a collapsed fp16 scale."""
+        from tr_hydra.runtime.guards import NonFiniteError
+        pc = self.pc
+        bad = self.ex.scalar("nonfinite")
+        if bad >= max(pc.trainer.max_nonfinite, 1):
+            raise NonFiniteError(f"training stopped: {int(bad)} steps with non-finite loss or gradients "
+                                 f"(trainer.max_nonfinite={pc.trainer.max_nonfinite}), "
+                                 f"{self.ex.nonfinite_report()}; those steps were skipped, the weights are finite")
+        if self.ex.fp16 and self.ex.scalar("loss_scale") < 2.0 ** -14:
+            raise NonFiniteError(f"training stopped: the fp16 loss scale collapsed to "
+                                 f"{self.ex.scalar('loss_scale'):.3g} after {int(self.ex.scalar('skipped'))} "
+                                 f"skipped steps ({self.ex.nonfinite_report()}); try amp_dtype=bf16 or a lower lr")
+
+    def _epochs(self, start_epoch, step, history, tel, guard, images, train_time):
+        pc = self.pc
         for epoch in range(start_epoch, pc.trainer.epochs):
             sched = epoch_schedule(pc, epoch)[step - self.steps_before(epoch):]  # skip what is done
             if pc.trainer.max_steps:
@@ -370,9 +444,11 @@ class Trainer:
                             pc.trainer.progress and sys.stderr.isatty())
             mark = {"t": t0, "k": -1, "wait": 0.0}
 
-            def on_step(k, _n=len(sched), _step0=step):
+            def on_step(k, _n=len(sched), _step0=step, _epoch=epoch):
                 if bar:
                     bar.update(1)
+                if self._should_stop(guard, k + 1 == _n or (k + 1) % pc.trainer.log_every == 0):
+                    raise _Stop(_step0 + k + 1, _epoch)
                 # the host reads the device accumulator once per log interval, never per step
                 if (k + 1) % pc.trainer.log_every == 0 or k + 1 == _n:
                     m = self.ex.read_metrics("train")
@@ -391,6 +467,10 @@ class Trainer:
                     if bar:
                         bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:,.0f}")
                     mark.update(t=now, k=k, wait=self.data_wait)
+                    try:
+                        self._check_health(_step0 + k + 1)
+                    except Exception as e:
+                        raise _Stop(_step0 + k + 1, _epoch, error=e) from None
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
             if bar:
                 bar.close()
@@ -418,25 +498,18 @@ class Trainer:
             if pc.trainer.checkpoint_every and ((epoch + 1) % pc.trainer.checkpoint_every == 0 or last):
                 self.save_checkpoint(epoch + 1 if complete else epoch, step, history)
             self.write_metrics(history)
-        res.epochs = history
-        res.steps = step
-        res.img_per_sec = images / train_time if train_time else 0.0
-        if self.device.type == "cuda":
-            res.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        res.final_path = str(self.save_final())
-        vals = [r["val"]["top1"] for r in history if "val" in r]
-        summary = {"best_val_top1": max(vals) if vals else float("nan"),
-                   "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
-                   "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
-                   "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
-                   "steps": step}
-        res.summary = summary
-        self.write_metrics(history, summary)
-        tel.close(_jsonable(self.pc.to_dict()), summary)
-        self.log(f"summary: best val top1 {summary['best_val_top1']:.2f}  total {summary['total_seconds']:.1f}s  "
-                 f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
-                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB")
-        return res
+        return step, images, train_time
+
+    def _should_stop(self, guard, at_log: bool) -> bool:
+        """A preemption signal stops at a step boundary; with several ranks, all ranks agree
+        (at log intervals) so none is left waiting in a collective."""
+        if self.dist.world_size <= 1:
+            return guard.stop.requested
+        if not at_log:
+            return False
+        flag = torch.tensor([1.0 if guard.stop.requested else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
 
     def write_metrics(self, history: list, summary: dict | None = None) -> None:
         import json
