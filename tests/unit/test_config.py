@@ -73,3 +73,22 @@ def test_imagefolder_without_images_is_a_config_error(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     with pytest.raises(ConfigError, match="holds no images"):
         plan_config_from(compose(["data=imagefolder", f"data.root={tmp_path}"]))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("variants.lowres_res=64", "variants.lowres_res"),
+    ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
+    ("optimizer=adam", None),
+    ("data.num_threads=0", "data.num_threads"),
+    ("ema_decay=1.5", "ema_decay"),
+    ("trainer.label_smoothing=1.0", "trainer.label_smoothing"),
+])
+def test_value_ranges(override, needle):
+    overrides = [override] + (["variants.lowres_epochs=1"] if "lowres" in override else [])
+    if needle is None:
+        plan_config_from(compose(overrides + ["optimizer.eps=1e-8"]))
+        with pytest.raises(ConfigError, match="optimizer.eps"):
+            plan_config_from(compose(overrides + ["optimizer.eps=0"]))
+        return
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        plan_config_from(compose(overrides))

@@ -267,6 +267,21 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     for key in ("base_res", "lowres_res", "val_res"):
         _check(getattr(v, key) >= 8, f"variants.{key}", f"must be >= 8 pixels, got {getattr(v, key)}")
     _check(v.lowres_epochs >= 0, "variants.lowres_epochs", "must be >= 0")
+    if v.lowres_epochs > 0:
+        _check(v.lowres_res <= v.base_res, "variants.lowres_res",
+               f"{v.lowres_res} must not exceed variants.base_res={v.base_res}")
+    _check(v.lowres_epochs <= trainer.epochs, "variants.lowres_epochs",
+           f"{v.lowres_epochs} exceeds trainer.epochs={trainer.epochs}")
+    _check(trainer.val_every >= 1, "trainer.val_every", "must be >= 1")
+    _check(trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0 (0: only at the end)")
+    _check(trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1")
+    _check(trainer.max_nonfinite >= 1, "trainer.max_nonfinite", "must be >= 1")
+    _check(trainer.loss_scale_growth_interval >= 1, "trainer.loss_scale_growth_interval", "must be >= 1")
+    _check(trainer.sema_every >= 0, "trainer.sema_every", "must be >= 0")
+    _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
+    _check(data.num_threads >= 1, "data.num_threads", "must be >= 1")
+    if opt.name in ("adam", "adamw"):
+        _check(opt.eps > 0, "optimizer.eps", f"optimizer={opt.name} needs eps > 0")
     _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")
     _check(trainer.max_steps is None or trainer.max_steps >= 1, "trainer.max_steps", "must be >= 1 or null")
     _check(trainer.log_every >= 1, "trainer.log_every", "must be >= 1")
