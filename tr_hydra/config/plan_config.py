@@ -90,6 +90,7 @@ class RuntimeSpec:
     deterministic: bool = False
     warmup_steps: int = 3
     channels_last: bool = True
+    kernels: str = "auto"
 
 
 @dataclass(frozen=True)

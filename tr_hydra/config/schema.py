@@ -70,6 +70,12 @@ class LrScaling(enum.Enum):
     linear = "linear"
 
 
+class Kernels(enum.Enum):
+    auto = "auto"      # Triton on CUDA, the plain-torch reference elsewhere
+    torch = "torch"
+    triton = "triton"
+
+
 class PlanFormat(enum.Enum):
     table = "table"
     json = "json"
@@ -162,6 +168,7 @@ class RuntimeConfig:
     deterministic: bool = False
     warmup_steps: int = 3
     channels_last: bool = True
+    kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
 
 
 @dataclass

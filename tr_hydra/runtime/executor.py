@@ -68,10 +68,25 @@ class StepExecutor:
                                           arena.torch_view(pl["eq_bias." + bn.module]))
                               for bn in self.c.model_map.bns}
         self._classes = torch.arange(self.pc.model.num_classes, device=self.device)  # constant
+        self.fused = self._fused_ops()
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
         self.init_scalars()
+
+    def _fused_ops(self):
+        """The Triton fast path, or None for the plain-torch reference."""
+        choice = self.pc.runtime.kernels
+        if choice == "torch" or (choice == "auto" and self.device.type != "cuda"):
+            return None
+        try:
+            from tr_hydra.ops import triton_ops
+        except Exception as e:  # no Triton: the reference is always there
+            if choice == "triton":
+                from tr_hydra.errors import ConfigError
+                raise ConfigError(f"runtime.kernels=triton: Triton is not usable here ({type(e).__name__})") from None
+            return None
+        return triton_ops
 
     # ------------------------------------------------------------------ views
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +155,9 @@ class StepExecutor:
         if op in ("RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"):
             dst, src = self._span(n.spans[0]), self._span(n.spans[1])
             scale = self.s[n.arg("scale")] if n.arg("scale") else None
+            if self.fused is not None:
+                fused = self.fused
+                return lambda ctx: fused.fused_cast(dst, src, scale)
             return lambda ctx: ops.cast(dst, src, scale)
         if op == "RANGE_GRAD_SCALING":
             if n.arg("update"):
@@ -155,6 +173,9 @@ class StepExecutor:
         if op == "RANGE_EMA_PARAM_UPDATE":
             dst, src = self._span(n.spans[0]), self._span(n.spans[1])
             decay, step, warm = self.s["ema_decay"], self.s["step"], self.pc.ema_warmup
+            if self.fused is not None:
+                fused = self.fused
+                return lambda ctx: fused.fused_ema(dst, src, decay, step, warm)
             return lambda ctx: ops.ema_update(dst, src, ops.ema_decay_at(decay, step, warm))
         if op == "RANGE_ACCUM_METRICS":
             into = n.arg("into")
@@ -208,6 +229,9 @@ class StepExecutor:
         wd = self.s[n.arg("wd")]
         gate = self.s[n.arg("gate")] if n.arg("gate") else None
         op, h = n.op, self.h
+        if self.fused is not None and self.fused.supports(op):
+            fused = self.fused
+            return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate)
         return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
 
     # ------------------------------------------------------------------ compute nodes

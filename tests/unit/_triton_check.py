@@ -1,0 +1,64 @@
+"""Run by test_triton_ops.py in a subprocess with TRITON_INTERPRET=1 (or directly on a GPU):
+the fused kernels against the plain-torch reference."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tr_hydra.ops import range_ops as ref
+from tr_hydra.ops import triton_ops as tri
+from tr_hydra.ops.optimizers import HyperScalars, apply_update
+
+
+def main(device: str) -> int:
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    n = 3000  # not a multiple of the block: the masked tail is exercised
+    def s(x):
+        return torch.tensor([x], dtype=torch.float32, device=dev)
+    h = HyperScalars(lr=s(0.05), momentum=s(0.9), beta1=s(0.9), beta2=s(0.999), eps=s(1e-8), step=s(3.0),
+                     trust_coefficient=s(0.001))
+    failures = []
+    for op, n_state in (("RANGE_UPDATE_WEIGHT_SGD", 0), ("RANGE_UPDATE_WEIGHT_MOMENTUM", 1),
+                        ("RANGE_UPDATE_WEIGHT_NESTEROV", 1), ("RANGE_UPDATE_WEIGHT_ADAM", 2),
+                        ("RANGE_UPDATE_WEIGHT_ADAMW", 2), ("RANGE_UPDATE_BIAS_MOMENTUM", 1)):
+        for gate in (None, 0.0, 1.0):
+            w = torch.randn(n, device=dev)
+            g = torch.randn(n, device=dev)
+            st = [torch.randn(n, device=dev).abs() for _ in range(n_state)]
+            wd = s(5e-4)
+            gt = None if gate is None else s(gate)
+            a = [w.clone(), g.clone()] + [x.clone() for x in st]
+            b = [w.clone(), g.clone()] + [x.clone() for x in st]
+            apply_update(op, a[0], a[1], a[2:], h, wd, gt)
+            tri.fused_update(op, b[0], b[1], b[2:], h, wd, gt)
+            for name, x, y in zip(("w", "g", "m", "v"), a, b):
+                err = ((x - y).norm() / x.norm()).item()
+                if err > 1e-6:
+                    failures.append(f"{op} gate={gate} {name}: {err:.2e}")
+            if gate == 1.0 and not torch.equal(b[0], w):
+                failures.append(f"{op}: a skipped step changed w")
+    for src_dt, dst_dt, scale in ((torch.float32, torch.float16, None), (torch.float16, torch.float32, 0.25),
+                                  (torch.float32, torch.float32, 2.0)):
+        x = torch.randn(n, device=dev).to(src_dt)
+        a = torch.empty(n, dtype=dst_dt, device=dev)
+        b = torch.empty(n, dtype=dst_dt, device=dev)
+        sc = None if scale is None else s(scale)
+        ref.cast(a, x, sc)
+        tri.fused_cast(b, x, sc)
+        if not torch.equal(a, b):
+            failures.append(f"cast {src_dt}->{dst_dt} scale={scale}")
+    for warm in (True, False):
+        e, w = torch.randn(n, device=dev), torch.randn(n, device=dev)
+        a, b = e.clone(), e.clone()
+        ref.ema_update(a, w, ref.ema_decay_at(s(0.999), s(5.0), warm))
+        tri.fused_ema(b, w, s(0.999), s(5.0), warm)
+        if not torch.allclose(a, b, rtol=1e-6, atol=1e-7):
+            failures.append(f"ema warmup={warm}")
+    print("\n".join(failures) or "ok")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))
