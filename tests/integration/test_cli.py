@@ -20,7 +20,7 @@ def _cli(name: str) -> list[str]:
     exe = shutil.which(name)
     if exe:
         return [exe]
-    module = {"tr-plan": "tr_hydra.cli.plan", "tr-train": "tr_hydra.cli.train"}[name]
+    module = {"tr-plan": "tr_hydra.cli.plan", "tr-train": "tr_hydra.cli.train", "tr-bench": "tr_hydra.cli.bench"}[name]
     return [sys.executable, "-m", module]
 
 
@@ -136,3 +136,19 @@ def test_corrupt_image_stops_with_one_line(tmp_path):
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "b/2.jpg" in lines[0] and "skip_corrupt" in lines[0]
+
+
+def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
+    out = run("tr-bench", "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1",
+              "bench.steps=2", "bench.repeats=2", "bench.warmup=1", "bench.epoch_mix=true",
+              f"bench.out={tmp_path / 'b.json'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "x best PyTorch" in out.stdout and "epoch mix" in out.stdout
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
+    for m in res["modes"]:
+        assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
+    assert res["epoch_mix"]["variants"][:2] == ["train_base", "train_last"]
+    bad = run("tr-bench", "bench.modes=eager,turbo", cwd=tmp_path)
+    lines = [l for l in bad.stderr.splitlines() if l.strip()]
+    assert bad.returncode == 2 and len(lines) == 1 and "bench.modes" in lines[0]

@@ -86,7 +86,7 @@ class TrainerSpec:
 class RuntimeSpec:
     device: str = "auto"
     cuda_graph: bool = True
-    compile: str = "none"
+    compile: str = "auto"
     deterministic: bool = False
     warmup_steps: int = 3
     channels_last: bool = True

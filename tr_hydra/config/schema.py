@@ -56,6 +56,7 @@ class Device(enum.Enum):
 
 
 class CompileMode(enum.Enum):
+    auto = "auto"          # inductor on CUDA, none on CPU
     none = "none"
     inductor = "inductor"
 
@@ -164,7 +165,7 @@ class TrainerConfig:
 class RuntimeConfig:
     device: Device = Device.auto
     cuda_graph: bool = True
-    compile: CompileMode = CompileMode.none
+    compile: CompileMode = CompileMode.auto
     deterministic: bool = False
     warmup_steps: int = 3
     channels_last: bool = True
@@ -186,6 +187,16 @@ class DistConfig:
 
 
 @dataclass
+class BenchConfig:
+    modes: str = "auto"
+    steps: int = 20
+    repeats: int = 3
+    warmup: int = 5
+    epoch_mix: bool = False
+    out: Optional[str] = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -195,6 +206,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     plan: PlanSection = field(default_factory=PlanSection)
     dist: DistConfig = field(default_factory=DistConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     recipe: Optional[Any] = None
     amp: bool = False
     amp_dtype: AmpDtype = AmpDtype.bf16

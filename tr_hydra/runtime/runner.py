@@ -200,7 +200,7 @@ class Trainer:
         self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
         self.arena.bind(model, pc.amp, pc.ema)
         forward = model
-        if pc.runtime.compile == "inductor":
+        if pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and self.device.type == "cuda"):
             import torch._dynamo as dynamo
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(dynamo.config, knob):
