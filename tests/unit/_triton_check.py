@@ -39,6 +39,23 @@ def main(device: str) -> int:
                     failures.append(f"{op} gate={gate} {name}: {err:.2e}")
             if gate == 1.0 and not torch.equal(b[0], w):
                 failures.append(f"{op}: a skipped step changed w")
+    from tr_hydra.ops.range_ops import Segments
+    sizes = [64 * k for k in (3, 1, 17, 5)]  # slots of four tensors, 64-element blocks
+    seg = Segments.from_sizes(sizes, dev)
+    for gate in (None, 0.0, 1.0):
+        total = sum(sizes)
+        w, g, m = torch.randn(total, device=dev), torch.randn(total, device=dev), torch.randn(total, device=dev)
+        gt = None if gate is None else s(gate)
+        a, b = [w.clone(), g.clone(), m.clone()], [w.clone(), g.clone(), m.clone()]
+        na, nb = torch.zeros(4 * 128, device=dev), torch.zeros(4 * 128, device=dev)
+        apply_update("RANGE_UPDATE_WEIGHT_LARS", a[0], a[1], [a[2]], h, s(5e-4), gt, segments=seg, norms=na)
+        tri.fused_update("RANGE_UPDATE_WEIGHT_LARS", b[0], b[1], [b[2]], h, s(5e-4), gt, segments=seg, norms=nb)
+        for name, x, y in zip(("w", "g", "m"), a, b):
+            err = ((x - y).norm() / x.norm()).item()
+            if err > 1e-6:
+                failures.append(f"LARS gate={gate} {name}: {err:.2e}")
+        if not torch.allclose(na, nb):
+            failures.append(f"LARS gate={gate}: norm records differ")
     for src_dt, dst_dt, scale in ((torch.float32, torch.float16, None), (torch.float16, torch.float32, 0.25),
                                   (torch.float32, torch.float32, 2.0)):
         x = torch.randn(n, device=dev).to(src_dt)

@@ -69,6 +69,31 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
 
 
 @triton.jit
+def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n, lr_ptr, mom_ptr, wd_ptr, gate_ptr,
+                 SEG_BLOCK: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    """The LARS update once the per-tensor trust ratios are known: each element finds its
+    tensor's ratio through the compile-time block table (64-element blocks never straddle)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    seg = tl.load(block_ids_ptr + offs // SEG_BLOCK, mask=mask, other=0)
+    trust = tl.load(trust_ptr + seg, mask=mask, other=1.0)
+    lr = tl.load(lr_ptr)
+    mom = tl.load(mom_ptr)
+    wd = tl.load(wd_ptr)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    m_new = m * mom + (g + wd * w) * trust
+    w_new = w - lr * m_new
+    keep = 1.0
+    if HAS_GATE:
+        keep = 1.0 - tl.load(gate_ptr)
+    tl.store(m_ptr + offs, tl.where(keep > 0.5, m_new, m), mask=mask)
+    tl.store(w_ptr + offs, tl.where(keep > 0.5, w_new, w), mask=mask)
+
+
+@triton.jit
 def _cast_kernel(dst_ptr, src_ptr, scale_ptr, n, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -100,8 +125,11 @@ def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
 
 
-def fused_update(op: str, w, g, states, h, wd, gate=None) -> None:
-    """Drop-in for ``optimizers.apply_update`` for SGD, momentum, Nesterov, Adam and AdamW."""
+def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None) -> None:
+    """Drop-in for ``optimizers.apply_update``: SGD, momentum, Nesterov, Adam, AdamW, LARS."""
+    if op.endswith("_LARS"):
+        _lars(w, g, states[0], h, wd, gate, segments, norms)
+        return
     rule = CODES[op.rsplit("_", 1)[1]]
     n = w.numel()
     m = states[0] if states else w
@@ -109,6 +137,24 @@ def fused_update(op: str, w, g, states, h, wd, gate=None) -> None:
     _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd,
                              gate if gate is not None else h.lr,
                              RULE=rule, HAS_GATE=gate is not None, BLOCK=BLOCK)
+
+
+def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
+    from tr_hydra.ops.range_ops import BLOCK as SEG_BLOCK
+    # per-tensor norms: the deterministic segment reduction of the reference (a small share of
+    # the traffic); the trust ratios and the N-region records are [tensors]-sized
+    w_norm = segments.sum_sq(w).sqrt()
+    g_norm = segments.sum_sq(g).sqrt()
+    trust = h.trust_coefficient * w_norm / (g_norm + wd * w_norm + h.eps)
+    trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+    rec = norms.view(segments.count, -1)
+    rec[:, 0].copy_(w_norm)
+    rec[:, 1].copy_(g_norm)
+    rec[:, 2].copy_(trust)
+    n = w.numel()
+    _lars_kernel[_grid(n)](w, g, m, trust, segments.block_ids, n, h.lr, h.momentum, wd,
+                           gate if gate is not None else h.lr,
+                           SEG_BLOCK=SEG_BLOCK, HAS_GATE=gate is not None, BLOCK=BLOCK)
 
 
 def fused_cast(dst, src, scale=None) -> None:
@@ -123,4 +169,4 @@ def fused_ema(ema, live, decay, step, warmup: bool) -> None:
 
 
 def supports(op: str) -> bool:
-    return op.rsplit("_", 1)[1] in CODES
+    return op.rsplit("_", 1)[1] in CODES or op.endswith("_LARS")

@@ -229,9 +229,11 @@ class StepExecutor:
         wd = self.s[n.arg("wd")]
         gate = self.s[n.arg("gate")] if n.arg("gate") else None
         op, h = n.op, self.h
-        if self.fused is not None and self.fused.supports(op):
+        # the fused LARS update has been checked in Triton's interpreter only: explicit opt-in
+        lars_ok = not op.endswith("_LARS") or self.pc.runtime.kernels == "triton"
+        if self.fused is not None and self.fused.supports(op) and lars_ok:
             fused = self.fused
-            return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate)
+            return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate, **extra)
         return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
 
     # ------------------------------------------------------------------ compute nodes
