@@ -1,7 +1,6 @@
 """CUDA input: the mixed (nvJPEG) pipeline and the A/B feeder under captured graphs."""
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest

@@ -6,9 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 import torch.nn as nn
 import torchvision

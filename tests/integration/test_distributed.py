@@ -1,13 +1,11 @@
 """Data parallel on CPU with gloo and 2 processes launched by torchrun."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from tests.integration.test_cli import ENV, run

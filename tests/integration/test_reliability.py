@@ -6,9 +6,7 @@ import json
 import math
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ from tr_hydra.compiler.analysis import map_model
 from tr_hydra.compiler.compile import build_plan
 from tr_hydra.errors import (AlignmentError, ContiguityError, LayerCorrespondenceError, PlanError,
                              PlanLockedError, RegionOrderError)
-from tr_hydra.memory.dtensor import DTensor, DType, slot_bytes_for
+from tr_hydra.memory.dtensor import DType, slot_bytes_for
 from tr_hydra.memory.plan import MemoryPlan, PlanConditions, twin_elements
 from tr_hydra.memory.regions import ALL_REGIONS, MATRIX_KINDS, NUM_REGIONS, PARAM_KINDS, Region as R
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
-from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
+from tr_hydra.memory.regions import MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
 from tr_hydra.runtime.runner import Trainer, epoch_schedule, val_schedule
 from tr_hydra.runtime.schedule import lr_at
 

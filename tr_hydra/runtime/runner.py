@@ -1,7 +1,6 @@
 """Runner: compile, allocate, bind, capture, then epochs of replayed steps and validation."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -17,7 +16,8 @@ from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.dtensor import DType
 from tr_hydra.runtime.executor import StepExecutor
 from tr_hydra.runtime.feeder import Feeder
-from tr_hydra.runtime.schedule import lr_at
+from tr_hydra.runtime.model_prep import deterministic_pools, load_init, nchw_compute_on_cpu
+from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 
 
 def pick_device(pc: PlanConfig) -> torch.device:
@@ -39,76 +39,6 @@ def set_determinism(pc: PlanConfig) -> None:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
         torch.backends.cudnn.benchmark = True
-
-
-def load_init(model: torch.nn.Module, path: str) -> None:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"model.init_from: {path} is not a file")
-    try:
-        sd = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # a corrupt or non-tensor file
-        raise ConfigError(f"model.init_from: {path} is not a loadable state_dict ({type(e).__name__})") from None
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()
-        raise ConfigError(f"model.init_from: {path} does not fit the model: {first[1].strip() if len(first) > 1 else first[0]}") from None
-
-
-def nchw_compute_on_cpu(model: torch.nn.Module) -> None:
-    """On CPU, convolutions and BatchNorm compute in NCHW.
-
-    The arena keeps conv weights in channels_last (the planned layout, what cuDNN wants), but
-    PyTorch's CPU channels_last kernels lose precision: on resnet18_cifar the fp32 gradients of one
-    batch were 2.2e-3 (relative norm) away from float64 in channels_last and 2.3e-6 in NCHW, and
-    BatchNorm on a batch with near-cancelling bias gradients 0.7% against 1e-6. So each conv reads
-    a contiguous copy of its weight (the gradient flows back into the arena view in place) and a
-    contiguous input. CUDA keeps channels_last end to end.
-    """
-    for m in model.modules():
-        if isinstance(m, torch.nn.Conv2d):
-            def forward(x, _m=m):
-                return _m._conv_forward(x.contiguous(), _m.weight.contiguous(), _m.bias)
-            m.forward = forward
-
-
-class GlobalAvgPool(torch.nn.Module):
-    """AdaptiveAvgPool2d(1) as a mean over H and W: the same numbers, and a backward that is
-    deterministic on CUDA (adaptive_avg_pool2d's is not)."""
-
-    def forward(self, x):
-        return x.mean(dim=(2, 3), keepdim=True)
-
-
-def deterministic_pools(model: torch.nn.Module) -> None:
-    for name, m in list(model.named_modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, torch.nn.AdaptiveAvgPool2d) and child.output_size in (1, (1, 1)):
-                setattr(m, child_name, GlobalAvgPool())
-
-
-def epoch_schedule(pc: PlanConfig, epoch: int) -> list[tuple[str, int, int]]:
-    """(variant, batch index, batch size) of every step of an epoch, in order."""
-    low = epoch < pc.lowres_epochs
-    base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
-    full = pc.train_size // pc.batch_size
-    steps = [(base, i, pc.batch_size) for i in range(full)]
-    if pc.has_variant(last):
-        steps.append((last, full, pc.variant(last).batch))
-    return steps
-
-
-def val_schedule(pc: PlanConfig) -> list[tuple[str, int, int]]:
-    if not pc.has_variant("val_base"):
-        return []
-    vb = pc.variant("val_base").batch
-    steps = [("val_base", i, vb) for i in range(pc.val_size // vb)]
-    if pc.has_variant("val_last"):
-        steps.append(("val_last", len(steps), pc.variant("val_last").batch))
-    return steps
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -368,7 +298,6 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         from tr_hydra.telemetry.tensorboard import Telemetry
-        pc = self.pc
         res = TrainResult(arena_bytes=self.compiled.plan.total_bytes)
         start_epoch, step, history = self._resume_point()
         self.capture()  # after the restore: warm-up snapshots and restores the resumed state
