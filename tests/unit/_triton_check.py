@@ -75,8 +75,39 @@ def main(device: str) -> int:
         # values of order 1), which torch.lerp's kernel rounds in two steps
         if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):
             failures.append(f"ema warmup={warm}: max abs diff {(a - b).abs().max().item():.2e}")
+    failures += check_nonfinite(dev)
     print("\n".join(failures) or "ok")
     return 1 if failures else 0
+
+
+def check_nonfinite(dev) -> list[str]:
+    """Per-region flags against torch.isfinite per region, over a sequence of steps: clean, bad
+    (the first bad step's regions and step number kept), bad again (kept, not overwritten)."""
+    failures = []
+    sizes = [5, 1030, 7, 2048, 3]  # region boundaries inside blocks and across them
+    starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], dtype=torch.int32, device=dev)
+    flags = torch.zeros(len(sizes), dtype=torch.int8, device=dev)
+    mask = torch.zeros(len(sizes), dtype=torch.int8, device=dev)
+    found, count = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    first_step, step = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
+    expect_mask, expect_first, expect_count = [0] * len(sizes), 0.0, 0
+    for t, poison in enumerate(([], [(1, float("nan"), 1029)], [], [(3, float("inf"), 0), (0, -float("inf"), 4)],
+                                [(4, float("nan"), 2)])):
+        x = torch.randn(sum(sizes), device=dev)
+        for r, val, at in poison:
+            x[int(starts[r]) + at] = val
+        bad = [not torch.isfinite(part).all().item() for part in torch.split(x, sizes)]
+        step.fill_(float(t))
+        tri.nonfinite_check(x, starts, flags, mask, found, count, first_step, step)
+        if any(bad):
+            expect_count += 1
+            if not any(expect_mask):
+                expect_mask, expect_first = [int(b) for b in bad], t + 1.0
+        got = (found.item(), count.item(), mask.tolist(), first_step.item(), flags.tolist())
+        want = (float(any(bad)), float(expect_count), expect_mask, expect_first, [0] * len(sizes))
+        if got != want:
+            failures.append(f"nonfinite check step {t}: got {got}, want {want}")
+    return failures
 
 
 if __name__ == "__main__":

@@ -205,3 +205,41 @@ def test_deterministic_cpu_runs_are_bit_identical(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert ra.epochs[-1]["val"] == rb.epochs[-1]["val"]
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_loss_metrics_match_torch_eager_and_compiled(compiled):
+    """The loss node (eager, or compiled by Inductor as on CUDA) against F.cross_entropy and its
+    autograd gradient, top-1/top-5 by hand."""
+    from tr_hydra.runtime.executor import loss_and_metrics
+    torch.manual_seed(3)
+    b, k, eps = 12, 10, 0.1
+    logits = torch.randn(b, k)
+    y = torch.randint(0, k, (b,), dtype=torch.int32)
+    feat, dist, gslot = torch.zeros(b, k), torch.zeros(b, k), torch.zeros(b, k)
+    pred, result = torch.zeros(b, dtype=torch.int32), torch.zeros(4)
+    fn = torch.compile(loss_and_metrics, dynamic=False) if compiled else loss_and_metrics
+    fn(logits, y, torch.arange(k), torch.tensor([2.0]), feat, dist, gslot, pred, result, eps, float(b))
+    ref = logits.clone().requires_grad_()
+    loss = F.cross_entropy(ref, y.long(), label_smoothing=eps)
+    loss.backward()
+    assert math.isclose(result[0].item() / b, loss.item(), rel_tol=1e-6)
+    assert torch.allclose(gslot, 2.0 * ref.grad, rtol=1e-5, atol=1e-7)  # times the loss scale
+    assert pred.tolist() == logits.argmax(1).tolist() and torch.equal(feat, logits)
+    assert result[1].item() == (logits.argmax(1) == y).sum().item()
+    assert result[2].item() == (logits.topk(5, 1).indices == y[:, None].long()).any(1).sum().item()
+    assert result[3].item() == b
+
+
+def test_gradient_copy_takes_flat_views_only_for_matching_layouts():
+    from tr_hydra.runtime.executor import _flat, _same_dense_layout
+    w1 = torch.randn(8, 4, 1, 1)
+    w3 = torch.randn(8, 4, 3, 3)
+    cl1, cl3 = w1.to(memory_format=torch.channels_last), w3.to(memory_format=torch.channels_last)
+    assert _same_dense_layout(cl1, w1)  # 1x1: both layouts put the same elements in the same order
+    assert not _same_dense_layout(cl3, w3) and _same_dense_layout(cl3, cl3.clone())
+    assert not _same_dense_layout(w3[:, :2], w3[:, :2].contiguous())  # a view with gaps
+    assert not _same_dense_layout(w3, w3.half())
+    dst = torch.empty_like(cl3)
+    torch._foreach_copy_([_flat(dst)], [_flat(cl3.clone())])
+    assert torch.equal(dst, w3)

@@ -112,20 +112,19 @@ def build_program(compiled) -> StepProgram:
     pc = compiled.config
     amp, fp16 = pc.amp, pc.amp and pc.amp_dtype == "fp16"
     opt = pc.optimizer.name
-    grad_end = R.G_DEEP_CONV_FP16 if amp else R.R_RESULT
     g_bias, g_mat = series_span("G", BIAS_KINDS), series_span("G", MATRIX_KINDS)
     w_bias, w_mat = series_span("W", BIAS_KINDS), series_span("W", MATRIX_KINDS)
     state = pc.conditions.state_series
 
     t: list[Node] = [
-        Node(GraphId.ZERO_GRAD, RangeOp.RANGE_CLEAR.value, ((R.G_BN_BIAS, grad_end),),
-             note="all gradients and the step's results"),
+        Node(GraphId.ZERO_GRAD, RangeOp.RANGE_CLEAR.value, ((R.R_RESULT, R.R_RESULT),),
+             note="the step's results (backward writes every gradient whole)"),
         Node(GraphId.INPUT, "read_input", ((R.I_A_LABEL, R.I_B_DATA),),
              note="I_A or I_B, filled by the feeder while the other buffer's step runs"),
         Node(GraphId.FORWARD, "forward_loss", ((R.F_FEATURE_FP16 if amp else R.F_FEATURE_FP32,) * 2,),
              note="model forward, logits, loss, d loss/d logits into F_GRAD_SLOT"),
         Node(GraphId.BACKWARD, "backward", (series_span("G16", MATRIX_KINDS) if amp else g_mat,),
-             note="autograd accumulates in place into the preset .grad views"),
+             note="autograd.grad, then one multi-tensor copy into the .grad views"),
     ]
     # bucket 1: the deep convs; bucket 2: BN, fc and first conv (16-bit spans under AMP, whose
     # BN / bias gradients stay fp32). The loss gradient carries 1/world_size, so SUM is the mean.

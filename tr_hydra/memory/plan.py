@@ -431,6 +431,7 @@ def alloc_baseline_dtensors(plan: MemoryPlan, variants: dict[str, tuple[int, int
     for name in INT32_SCALARS:
         plan.alloc_scalar(name, DType.INT32)
     plan.alloc_mask("nonfinite_regions", len(ALL_REGIONS))  # which region held a NaN/inf
+    plan.alloc_mask("nonfinite_flags", len(ALL_REGIONS))    # this step's per-region flags (scratch)
     plan.alloc_result(len(RESULT_FIELDS))
     for name in ("train", "val", "val_ema"):
         plan.alloc_result_accumulated(name, len(RESULT_FIELDS))

@@ -96,7 +96,10 @@ class Segments:
     def sum_sq(self, x: torch.Tensor) -> torch.Tensor:
         """Per-tensor sum of squares: block sums, then a float64 prefix sum read at segment ends
         (deterministic, unlike atomics)."""
-        blocks = x.float().view(-1, BLOCK).pow(2).sum(1, dtype=torch.float64)
+        return self.reduce_blocks(x.float().view(-1, BLOCK).pow(2).sum(1, dtype=torch.float64))
+
+    def reduce_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Per-tensor sums from float64 per-block sums (a prefix sum read at segment ends)."""
         at_end = blocks.cumsum(0).index_select(0, self.ends)
         return torch.diff(at_end, prepend=at_end.new_zeros(1)).float()
 

@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
+# (elements per program, warps) of each kernel: the best of a sweep on the H200 with ResNet-50's
+# spans (python -m tr_hydra.ops.kernel_bench; figures in docs/benchmarks.md)
+LAUNCH = {"update": (1024, 8), "lars": (1024, 8), "cast": (2048, 16), "ema": (1024, 8), "nonfinite": (2048, 8)}
 
 # rule codes shared by the kernel and the dispatcher
 SGD, MOMENTUM, NESTEROV, ADAM, ADAMW = 0, 1, 2, 3, 4
@@ -94,6 +97,19 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n, lr_ptr, mom_p
 
 
 @triton.jit
+def _block_sumsq_kernel(w_ptr, g_ptr, ow_ptr, og_ptr, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr):
+    """Sum of squares of every SEG-element block of w and of g, in one read of both."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * SEG + tl.arange(0, SEG)[None, :]
+    m = rows[:, None] < n_blocks
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ow_ptr + rows, tl.sum((w * w).to(tl.float64), axis=1), mask=rows < n_blocks)
+    tl.store(og_ptr + rows, tl.sum((g * g).to(tl.float64), axis=1), mask=rows < n_blocks)
+
+
+@triton.jit
 def _cast_kernel(dst_ptr, src_ptr, scale_ptr, n, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -121,8 +137,65 @@ def _ema_kernel(e_ptr, w_ptr, decay_ptr, step_ptr, n, WARMUP: tl.constexpr, BLOC
     tl.store(e_ptr + offs, out, mask=mask)
 
 
-def _grid(n: int):
-    return (triton.cdiv(n, BLOCK),)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _nonfinite_kernel(x_ptr, starts_ptr, flags_ptr, n, NREG: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-region non-finite flags over a span in one pass: each element's region is the number
+    of region starts at or below it; a block that sees a NaN/inf in region i sets flags[i]."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bad = ((x != x) | (tl.abs(x) > FLT_MAX)) & mask
+    if tl.max(bad.to(tl.int32), axis=0) > 0:  # the common clean block stops here
+        rid = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in tl.static_range(1, NREG):
+            rid += (offs >= tl.load(starts_ptr + i)).to(tl.int32)
+        for i in tl.static_range(NREG):
+            hit = tl.max((bad & (rid == i)).to(tl.int32), axis=0)
+            tl.store(flags_ptr + i, hit.to(tl.int8), mask=hit > 0)
+
+
+@triton.jit
+def _nonfinite_finish_kernel(flags_ptr, first_mask_ptr, found_ptr, count_ptr, first_step_ptr, step_ptr,
+                             NREG: tl.constexpr, RB: tl.constexpr):
+    """The step's flag, the fault/skip count, the first bad step's regions and step number;
+    then the scratch flags are cleared for the next step."""
+    r = tl.arange(0, RB)
+    m = r < NREG
+    f = tl.load(flags_ptr + r, mask=m, other=0).to(tl.int32)
+    any_bad = tl.max(f, axis=0)
+    found = any_bad.to(tl.float32)
+    tl.store(found_ptr, found)
+    tl.store(count_ptr, tl.load(count_ptr) + found)
+    old = tl.load(first_mask_ptr + r, mask=m, other=0).to(tl.int32)
+    first = (tl.sum(old, axis=0) == 0) & (any_bad > 0)
+    tl.store(first_mask_ptr + r, tl.where(first, f, old).to(tl.int8), mask=m)
+    step = tl.load(step_ptr)
+    prev = tl.load(first_step_ptr)
+    tl.store(first_step_ptr, tl.where(first, step + 1.0, prev))
+    tl.store(flags_ptr + r, tl.zeros([RB], dtype=tl.int8), mask=m)
+
+
+def nonfinite_check(span, starts, flags, first_mask, found, count, first_step, step) -> None:
+    """Drop-in for the reference check: ``span`` a flat fp32 view over the checked regions,
+    ``starts`` (int32, on the device) the element offset of each region in it."""
+    nreg = starts.numel()
+    n = span.numel()
+    _nonfinite_kernel[_grid(n, "nonfinite")](span, starts, flags, n, NREG=nreg, **_cfg("nonfinite"))
+    _nonfinite_finish_kernel[(1,)](flags, first_mask, found, count, first_step, step,
+                                   NREG=nreg, RB=max(16, triton.next_power_of_2(nreg)))
+
+
+def _grid(n: int, kind: str = "update"):
+    return (triton.cdiv(n, LAUNCH[kind][0]),)
+
+
+def _cfg(kind: str) -> dict:
+    block, warps = LAUNCH[kind]
+    return {"BLOCK": block, "num_warps": warps}
 
 
 def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None) -> None:
@@ -136,15 +209,24 @@ def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=N
     v = states[1] if len(states) > 1 else w
     _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd,
                              gate if gate is not None else h.lr,
-                             RULE=rule, HAS_GATE=gate is not None, BLOCK=BLOCK)
+                             RULE=rule, HAS_GATE=gate is not None, **_cfg("update"))
 
 
 def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
     from tr_hydra.ops.range_ops import BLOCK as SEG_BLOCK
-    # per-tensor norms: the deterministic segment reduction of the reference (a small share of
-    # the traffic); the trust ratios and the N-region records are [tensors]-sized
-    w_norm = segments.sum_sq(w).sqrt()
-    g_norm = segments.sum_sq(g).sqrt()
+    # per-tensor norms: one pass over w and g for the per-block sums of squares (fp32 squares
+    # summed in float64, as in the reference), then the reference's deterministic prefix sum
+    # over the blocks; the trust ratios and the N-region records are [tensors]-sized
+    nb = w.numel() // SEG_BLOCK
+    sums = getattr(segments, "_block_sums", None)
+    if sums is None or sums.shape[1] != nb:
+        sums = torch.empty(2, nb, dtype=torch.float64, device=w.device)  # made once, before capture
+        segments._block_sums = sums
+    rows = LAUNCH["lars"][0] // SEG_BLOCK
+    _block_sumsq_kernel[(triton.cdiv(nb, rows),)](w, g, sums[0], sums[1], nb, SEG=SEG_BLOCK, ROWS=rows,
+                                                  num_warps=LAUNCH["lars"][1])
+    w_norm = segments.reduce_blocks(sums[0]).sqrt()
+    g_norm = segments.reduce_blocks(sums[1]).sqrt()
     trust = h.trust_coefficient * w_norm / (g_norm + wd * w_norm + h.eps)
     trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
     rec = norms.view(segments.count, -1)
@@ -152,20 +234,20 @@ def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
     rec[:, 1].copy_(g_norm)
     rec[:, 2].copy_(trust)
     n = w.numel()
-    _lars_kernel[_grid(n)](w, g, m, trust, segments.block_ids, n, h.lr, h.momentum, wd,
-                           gate if gate is not None else h.lr,
-                           SEG_BLOCK=SEG_BLOCK, HAS_GATE=gate is not None, BLOCK=BLOCK)
+    _lars_kernel[_grid(n, "lars")](w, g, m, trust, segments.block_ids, n, h.lr, h.momentum, wd,
+                                   gate if gate is not None else h.lr,
+                                   SEG_BLOCK=SEG_BLOCK, HAS_GATE=gate is not None, **_cfg("lars"))
 
 
 def fused_cast(dst, src, scale=None) -> None:
     n = dst.numel()
-    _cast_kernel[_grid(n)](dst, src, scale if scale is not None else dst, n,
-                           HAS_SCALE=scale is not None, BLOCK=BLOCK)
+    _cast_kernel[_grid(n, "cast")](dst, src, scale if scale is not None else dst, n,
+                                   HAS_SCALE=scale is not None, **_cfg("cast"))
 
 
 def fused_ema(ema, live, decay, step, warmup: bool) -> None:
     n = ema.numel()
-    _ema_kernel[_grid(n)](ema, live, decay, step, n, WARMUP=warmup, BLOCK=BLOCK)
+    _ema_kernel[_grid(n, "ema")](ema, live, decay, step, n, WARMUP=warmup, **_cfg("ema"))
 
 
 def supports(op: str) -> bool:

@@ -26,6 +26,53 @@ R = Region
 BUFFERS = ("A", "B")
 
 
+def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pred_out, result,
+                     eps: float, grad_div: float) -> None:
+    """Loss, d(mean loss)/d logits (times the loss scale; only when ``gslot`` is given), top-1
+    and top-5 hits, written into their arena views. Plain torch: the same code runs eagerly or
+    compiled by Inductor (a few fused kernels instead of twenty small ones)."""
+    b, k = logits.shape
+    feat.copy_(logits)
+    lf = feat.float()
+    y = labels.long()
+    # a broadcast comparison, not scatter_: deterministic on every device
+    hit = (classes.unsqueeze(0) == y.unsqueeze(1)).to(dist.dtype)
+    dist.copy_(hit * (1.0 - eps) + eps / k)
+    logp = F.log_softmax(lf, dim=1)
+    loss_sum = -(dist * logp).sum()
+    if gslot is not None:
+        gslot.copy_((logp.exp() - dist) * (loss_scale / grad_div))
+    pred = lf.argmax(1)
+    pred_out.copy_(pred)
+    top = lf.topk(min(5, k), dim=1).indices
+    correct1 = (pred == y).sum()
+    correct5 = (top == y.unsqueeze(1)).any(1).sum()
+    result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(), torch.full_like(loss_sum, b)]))
+
+
+def _dense_order(t: torch.Tensor) -> tuple | None:
+    """Dimension order from outermost to innermost in memory, or None if ``t`` has gaps."""
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d))
+    expect = 1
+    for d in reversed(dims):  # innermost first: each stride is the product of the sizes inside
+        if t.stride(d) != expect:
+            return None
+        expect *= t.shape[d]
+    return tuple(dims)
+
+
+def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and element order in memory (so flat views of both line up)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    oa = _dense_order(a)
+    return oa is not None and oa == _dense_order(b)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 @dataclass
 class StepContext:
     variant: str
@@ -36,10 +83,13 @@ class StepContext:
 
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
-                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None):
+                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
+                 compile_loss: bool = False):
         self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
         self.model = model
         self.forward_fn = forward if forward is not None else model
+        # one compiled graph per (variant shape, train/val), made during the warm-up before capture
+        self._loss_fn = torch.compile(loss_and_metrics, dynamic=False) if compile_loss else loss_and_metrics
         from tr_hydra.runtime.distributed import SINGLE
         self.dist = dist_ctx or SINGLE
         self.device = arena.device
@@ -68,6 +118,12 @@ class StepExecutor:
                                           arena.torch_view(pl["eq_bias." + bn.module]))
                               for bn in self.c.model_map.bns}
         self._classes = torch.arange(self.pc.model.num_classes, device=self.device)  # constant
+        # backward returns the gradients (autograd.grad) and one multi-tensor copy writes them
+        # into their arena views: no per-parameter AccumulateGrad kernels, no clear beforehand
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._grad_views = [p.grad for p in self._params]
+        if any(g is None for g in self._grad_views):
+            raise ValueError("bind the model to the arena before building its executor")
         self.fused = self._fused_ops()
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
@@ -202,11 +258,20 @@ class StepExecutor:
         first_step, step = self.s["nonfinite_step"], self.s["step"]
         mask = self.nonfinite_mask[:len(regions)]
         fp16 = bool(n.arg("fp16"))
+        count = skipped if fp16 else nonfinite
+        if self.fused is not None:  # one pass over the span, one tiny finishing kernel
+            span = self.arena.span(regions[0], regions[-1], torch.float32)
+            base = self.plan.region_range(regions[0], regions[0])[0]
+            starts = torch.tensor([(self.plan.region_range(r, r)[0] - base) // 4 for r in regions],
+                                  dtype=torch.int32, device=self.device)
+            flags = self.arena.view(self.plan["mask.nonfinite_flags"]).view(-1)[:len(regions)]
+            fused = self.fused
+            return lambda ctx: fused.nonfinite_check(span, starts, flags, mask, flag, count, first_step, step)
         def check(ctx):
             bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
             flag.copy_(bad.any().float().view(1))
             # fp16 overflow is the loss-scale search at work; anything else is a fault
-            (skipped if fp16 else nonfinite).add_(flag)
+            count.add_(flag)
             first = (mask.sum() == 0) & bad.any()  # keep the first bad step's regions
             mask.copy_(torch.where(first, bad.to(mask.dtype), mask))
             first_step.copy_(torch.where(first, step + 1, first_step))
@@ -229,9 +294,7 @@ class StepExecutor:
         wd = self.s[n.arg("wd")]
         gate = self.s[n.arg("gate")] if n.arg("gate") else None
         op, h = n.op, self.h
-        # the fused LARS update has been checked in Triton's interpreter only: explicit opt-in
-        lars_ok = not op.endswith("_LARS") or self.pc.runtime.kernels == "triton"
-        if self.fused is not None and self.fused.supports(op) and lars_ok:
+        if self.fused is not None and self.fused.supports(op):
             fused = self.fused
             return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate, **extra)
         return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
@@ -248,27 +311,14 @@ class StepExecutor:
 
     def _loss_metrics(self, ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor, train: bool):
         b, k = logits.shape
-        feat = self._variant_view("logits", ctx.variant)
-        feat.copy_(logits.detach())
-        lf = feat.float()
-        y = labels.long()
         eps = self.pc.trainer.label_smoothing if train else 0.0
-        dist = self._variant_view("temp.label_dist", ctx.variant)
-        # a broadcast comparison, not scatter_: deterministic on every device
-        hit = (self._classes.unsqueeze(0) == y.unsqueeze(1)).to(dist.dtype)
-        torch.add(hit * (1.0 - eps), eps / k, out=dist)
-        logp = F.log_softmax(lf, dim=1)
-        loss_sum = -(dist * logp).sum()
-        if train:  # d(mean loss)/d logits, times the loss scale (1 unless fp16)
-            gslot = self._variant_view("grad_slot0", ctx.variant)
-            gslot.copy_((logp.exp() - dist) * (self.s["loss_scale"] / (b * self.dist.world_size)))
-        pred = lf.argmax(1)
-        self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1).copy_(pred)
-        top = lf.topk(min(5, k), dim=1).indices
-        correct1 = (pred == y).sum()
-        correct5 = (top == y.unsqueeze(1)).any(1).sum()
-        self.result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(),
-                                       torch.full_like(loss_sum, b)]))
+        gslot = self._variant_view("grad_slot0", ctx.variant) if train else None
+        with torch.no_grad():
+            self._loss_fn(logits.detach(), labels, self._classes, self.s["loss_scale"],
+                          self._variant_view("logits", ctx.variant),
+                          self._variant_view("temp.label_dist", ctx.variant), gslot,
+                          self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1),
+                          self.result, eps, float(b * self.dist.world_size))
 
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
@@ -279,7 +329,22 @@ class StepExecutor:
 
     def _backward(self, ctx: StepContext) -> None:
         logits, ctx.logits = ctx.logits, None
-        logits.backward(self._variant_view("grad_slot0", ctx.variant))
+        grads = torch.autograd.grad(logits, self._params, self._variant_view("grad_slot0", ctx.variant),
+                                    allow_unused=True)
+        # flat views, one list per dtype: _foreach_copy_ takes its multi-tensor fast path only
+        # when every tensor has the same dtype and layout (else it copies tensor by tensor)
+        groups: dict[torch.dtype, tuple[list, list]] = {}
+        for v, g in zip(self._grad_views, grads):
+            if g is None:  # a parameter this variant does not use
+                v.zero_()
+            elif _same_dense_layout(v, g):
+                dst, src = groups.setdefault(g.dtype, ([], []))
+                dst.append(_flat(v))
+                src.append(_flat(g))
+            else:
+                v.copy_(g)
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
 
     def _forward_eval(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)

@@ -136,7 +136,8 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             forward = torch.compile(model, dynamic=False)
-        self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist)
+        self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
+                               compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
         self.source = self._make_source()
         self.graphs = None
