@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +81,38 @@ def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
     return index
 
 
+DEPTH = 2  # batches DALI prepares ahead of the one being consumed
+
+
+class _Stream:
+    """One split's batches in order from ``start``, through a pipeline with DALI's asynchronous
+    pipelined executor: DALI calls ``_next`` (in the thread that runs it) ``DEPTH`` batches ahead
+    and decodes them while the training step runs. After the last batch it wraps to the first
+    (validation passes repeat; a train stream ends with its epoch)."""
+
+    def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int):
+        self.src, self.split, self.key, self.batch = src, split, key, batch
+        res, max_batch, epoch = key
+        self.order = src.order(split, epoch)
+        self.count = -(-len(self.order) // batch)
+        self.next = start          # the index the next run() returns
+        self._fed = start          # the index the source produces next
+        self._in_flight: deque = deque()
+        self.pipe = src._build(split, res, max_batch, epoch=epoch, source=self._next)
+
+    def _next(self):
+        i = self._fed
+        self._fed = (i + 1) % self.count
+        ids, replaced = self.src._replace_bad(self.split, self.order[i * self.batch:(i + 1) * self.batch])
+        samples = self.src._samples(self.split, ids)
+        self._in_flight.append((ids, replaced))
+        return samples
+
+    def done(self) -> tuple[np.ndarray, int]:
+        self.next = (self.next + 1) % self.count
+        return self._in_flight.popleft()
+
+
 class DaliSource:
     def __init__(self, pc: PlanConfig, device: torch.device, out_dtype: torch.dtype,
                  shard_id: int = 0, num_shards: int = 1, log=print):
@@ -96,13 +128,12 @@ class DaliSource:
         # DALI has no bfloat16: bf16 runs get fp16 from DALI and cast on the copy into the arena
         self.half = out_dtype in (torch.float16, torch.bfloat16)
         self.dali_dtype = torch.float16 if self.half else torch.float32
-        self._pipes: dict[tuple, object] = {}
+        self._pipes: dict[tuple, object] = {}    # synchronous pipelines (fallback, bad-file search)
+        self._streams: dict[str, _Stream] = {}   # one asynchronous stream per split
         self._orders: dict[tuple[str, int], np.ndarray] = {}
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
-        # one batch ahead, decoded in a background thread while the current step runs
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tr_hydra-dali")
-        self._ahead: tuple[tuple, Future] | None = None
+        self._after = None  # the copy out of the latest batch; DALI reuses its buffers after it
 
     # ------------------------------------------------------------------ pipelines
     def _pipeline(self, split: str, res: int, max_batch: int, epoch: int):
@@ -113,7 +144,11 @@ class DaliSource:
             self._pipes[key] = self._build(split, res, max_batch, epoch=key[3])
         return self._pipes[key]
 
-    def _build(self, split: str, res: int, max_batch: int, device_override=None, epoch: int = 0):
+    def _build(self, split: str, res: int, max_batch: int, device_override=None, epoch: int = 0,
+               source=None):
+        """A pipeline fed through ``feed_input`` (synchronous executor), or, with ``source`` (a
+        callable returning the next batch's encoded samples), DALI's pipelined asynchronous
+        executor, which reads, decodes and augments ``DEPTH`` batches ahead."""
         from nvidia.dali import fn, pipeline_def, types
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
@@ -123,14 +158,15 @@ class DaliSource:
         @pipeline_def(batch_size=max_batch, num_threads=max(1, d.num_threads),
                       device_id=(self.device.index or 0) if gpu else None,
                       seed=(self.pc.seed * 7919 + epoch * 104729 + res * 31 + (split == "val")) % (2**31),
-                      prefetch_queue_depth=1,
-                      exec_async=False, exec_pipelined=False)
+                      prefetch_queue_depth=DEPTH if source else 1,
+                      exec_async=source is not None, exec_pipelined=source is not None)
         def pipe():
+            src = {"source": source, "batch": True} if source else {"name": "images"}
             if encoded:
-                enc = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
+                enc = fn.external_source(**src, dtype=types.UINT8, ndim=1)
                 img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
             else:
-                img = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
+                img = fn.external_source(**src, dtype=types.UINT8, ndim=3, layout="HWC")
                 if gpu:
                     img = img.gpu()
             if augment:
@@ -172,44 +208,44 @@ class DaliSource:
 
     def prefetch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0,
                  after=None) -> None:
-        """Start decoding a batch in the background. ``after`` (a CUDA event) marks the end of
-        the copy out of the previous result, whose buffers this run reuses."""
-        key = (split, index, batch, size, res, epoch)
-        self._drain()
-        def work():
-            if after is not None:
-                after.synchronize()
-            return self._decode(*key)
-        self._ahead = (key, self._worker.submit(work))
-
-    def _drain(self) -> None:
-        if self._ahead is not None:
-            _, fut = self._ahead
-            self._ahead = None
-            try:
-                fut.result()
-            except Exception:
-                pass  # the batch is decoded again (and its error raised) when it is asked for
+        """DALI already works ahead on the stream; ``after`` (a CUDA event) marks the end of the
+        copy out of the latest batch, whose buffers the next run may reuse."""
+        self._after = after
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
-        key = (split, index, batch, size, res, epoch)
-        if self._ahead is not None and self._ahead[0] == key:
-            _, fut = self._ahead
-            self._ahead = None
-            try:
-                return fut.result()
-            except DataError:
-                raise
-            except Exception:
-                pass  # decode again in this thread for the full error handling below
-        self._drain()
-        return self._decode(*key)
+        """Batch ``index`` of ``split`` in this epoch's order. Consecutive requests come from the
+        split's asynchronous stream, decoded ahead; any other request (a resumed position, a
+        failed decode) starts a new stream there."""
+        key = (res, max(batch, size), epoch if split == "train" else 0)
+        st = self._streams.get(split)
+        if st is None or st.key != key or st.next != index:
+            st = self._streams[split] = _Stream(self, split, key, batch, index)
+        if self._after is not None:
+            self._after.synchronize()  # the previous batch's buffers are free once copied out
+            self._after = None
+        try:
+            with native_stderr_kept_on_success():
+                (images,) = st.pipe.run()
+        except DataError:
+            self._streams.pop(split, None)
+            raise
+        except Exception:  # a decode failure: this batch synchronously, with the full handling
+            self._streams.pop(split, None)
+            return self._decode(split, index, batch, size, res, epoch)
+        ids, replaced = st.done()
+        if len(ids) != size:
+            self._streams.pop(split, None)
+            raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
+        self.skipped += replaced
+        labels = torch.from_numpy(self.index[split].labels[ids].copy())
+        return DaliBatch(images, labels, self.dali_dtype)
 
     def _decode(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
         ids = self.order(split, epoch)[index * batch:index * batch + size]
         if len(ids) != size:
             raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
-        ids = self._replace_bad(split, ids)
+        ids, replaced = self._replace_bad(split, ids)
+        self.skipped += replaced
         pipe = self._pipeline(split, res, max(batch, size), epoch)
         try:
             pipe.feed_input("images", self._samples(split, ids))
@@ -233,21 +269,20 @@ class DaliSource:
         labels = torch.from_numpy(self.index[split].labels[ids].copy())
         return DaliBatch(images, labels, self.dali_dtype)
 
-    def _replace_bad(self, split: str, ids: np.ndarray) -> np.ndarray:
+    def _replace_bad(self, split: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """A known-bad sample is replaced by a good one of the same batch, so every variant keeps
-        its shape; each replacement counts as skipped."""
+        its shape; each replacement counts as skipped (the count is returned)."""
         if not self._bad:
-            return ids
+            return ids, 0
         bad = np.isin(ids, list(self._bad))
         if not bad.any():
-            return ids
+            return ids, 0
         good = ids[~bad]
         if good.size == 0:
             raise DataError(f"data: every sample of a {split} batch is undecodable")
         ids = ids.copy()
         ids[bad] = good[np.arange(bad.sum()) % good.size]
-        self.skipped += int(bad.sum())
-        return ids
+        return ids, int(bad.sum())
 
     def _find_bad(self, split: str, ids: np.ndarray, res: int) -> list[int]:
         """Decode each sample alone on the CPU; the ones that fail are the bad ones."""

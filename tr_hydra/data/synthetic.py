@@ -29,6 +29,8 @@ class SyntheticSource:
             imgs = pat[labels] + 0.8 * torch.randn(n, self.channels, res, res, generator=g)
             imgs = imgs.permute(0, 2, 3, 1).contiguous()  # NHWC
             self._banks[key] = (imgs.to(self.device, self.dtype), labels.to(self.device, torch.int32))
+            if torch.device(self.device).type == "cuda":
+                torch.cuda.synchronize(self.device)  # once per bank: the feeder's stream reads it
         return self._banks[key]
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0):

@@ -20,7 +20,9 @@ class Feeder:
     def put(self, buffer: str, variant: str, batch) -> None:
         """Copy a batch (a (images, labels) pair of tensors, or a DaliBatch) into ``buffer``."""
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())  # the source's own work
+            # Not waiting for the compute stream: that would wait for the step just launched and
+            # serialise copy and step. Sources hand over batches that are ready on any stream
+            # (DALI orders its own copies; synthetic banks are synchronised once when made).
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self.consumed[buffer])  # the step that last read it is done
                 self._copy(buffer, variant, batch)
