@@ -128,90 +128,141 @@ def _write_jpeg(job):
         img.save(d / f"{i:06d}.jpg", quality=90)
 
 
-def e2e(args, device) -> list[dict]:
-    """End to end on a JPEG folder: tr_hydra (synthetic, then the folder through DALI) and
-    torchvision DataLoader (all cores) + torch.compile, ResNet-50 bf16."""
+def folder_config(pc, root: str, compile_mode: str):
+    """``pc`` (model, optimizer, precision, batch, resolution) on a JPEG folder: every train
+    image once per epoch (the last partial batch included), DALI with every core."""
     import dataclasses
     import os
     from pathlib import Path
-    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.config.plan_config import DataSpec, make_variants
+    from tr_hydra.data.index import scan_imagefolder
     from tr_hydra.data.sizes import count_images
-    root = make_jpegs(args.data, args.jpegs)
-    n_train = count_images(Path(root) / "train")
-    n_val = count_images(Path(root) / "val")
-    out = []
-    batch = args.batch
-    steps = n_train // batch
-    for mode in args.modes.split(","):
-        t0 = time.perf_counter()
-        if mode in ("tr-synthetic", "tr-jpeg"):
-            step, tr = tr_runner(args.model, batch, args.res, 1000 if mode == "tr-synthetic" else 100,
-                                 "none", device, True, n_train=steps * batch)
-            if mode == "tr-jpeg":
-                from tr_hydra.config.plan_config import make_variants
-                from tr_hydra.runtime.runner import Trainer
-                pc = tr.pc
-                pc = dataclasses.replace(pc, data=DataSpec(name="imagefolder", root=root, num_classes=100,
-                                                           image_size=args.res, num_threads=os.cpu_count() or 4),
-                                         model=dataclasses.replace(pc.model, num_classes=100),
-                                         train_size=steps * batch, val_size=n_val,
-                                         variants=make_variants(train_size=steps * batch, val_size=n_val,
-                                                                batch_size=batch, val_batch_size=batch,
-                                                                base_res=args.res, lowres_res=args.res,
-                                                                lowres_epochs=0, val_res=args.res,
-                                                                drop_last=False))
-                del step, tr
-                tr = Trainer(pc, "/tmp/tr_bench", log=lambda *_: None)
-                tr.capture()
-            sched = [("train_base", i, batch) for i in range(steps)]
-            tr.run_steps(sched[:8], "train")  # warm-up: pipelines built, decoders initialised
+    n_train, n_val = count_images(Path(root) / "train"), count_images(Path(root) / "val")
+    classes = len(scan_imagefolder(root, "train")[1])
+    v = pc.variant("train_base")
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, image_size=v.res,
+                    num_threads=os.cpu_count() or 4)
+    variants = make_variants(train_size=n_train, val_size=n_val, batch_size=v.batch, val_batch_size=v.batch,
+                             base_res=v.res, lowres_res=v.res, lowres_epochs=0, val_res=v.res, drop_last=False)
+    return dataclasses.replace(pc, data=data, model=dataclasses.replace(pc.model, num_classes=classes),
+                               train_size=n_train, val_size=n_val, variants=variants, lowres_epochs=0,
+                               runtime=dataclasses.replace(pc.runtime, compile=compile_mode))
+
+
+def e2e_tr(pc, workdir: str, warm_steps: int = 8) -> dict:
+    """tr_hydra end to end: one epoch of the folder after a warm-up (pipelines built, decoders
+    and graphs ready); the first figure is build + capture + warm-up."""
+    from tr_hydra.runtime.runner import Trainer, epoch_schedule
+    t0 = time.perf_counter()
+    tr = Trainer(pc, workdir, log=lambda *_: None, telemetry=False)
+    tr.capture()
+    sched = epoch_schedule(pc, 0)
+    tr.run_steps(sched[:warm_steps], "train", epoch=0)
+    _sync()
+    first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    tr.run_steps(sched[warm_steps:], "train", epoch=0)  # the rest of the epoch, then a whole one
+    tr.run_steps(epoch_schedule(pc, 1), "train", epoch=1)
+    _sync()
+    n = sum(s[2] for s in sched[warm_steps:]) + sum(s[2] for s in epoch_schedule(pc, 1))
+    return {"img_per_sec": n / (time.perf_counter() - t1), "images": n, "first_step_seconds": first}
+
+
+def _compiled_step(model_name: str, classes: int, device, amp: bool):
+    from tr_hydra.models.registry import build_model
+    torch.backends.cudnn.benchmark = True
+    model = build_model(model_name, classes).to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5, fused=device.type == "cuda")
+
+    @torch.compile
+    def fwd_bwd(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    def step(x, y):
+        fwd_bwd(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _timed_epoch(batches, step, warm_steps: int, t0: float) -> dict:
+    """Run ``warm_steps`` batches, then time the rest of the iterator (the rest of the first
+    epoch and all of the second, as for tr_hydra)."""
+    n = k = 0
+    first = t1 = None
+    for x, y in batches:
+        step(x, y)
+        k += 1
+        if k == warm_steps:
             _sync()
             first = time.perf_counter() - t0
             t1 = time.perf_counter()
-            tr.run_steps(sched, "train", epoch=1)
-            _sync()
-            rate = steps * batch / (time.perf_counter() - t1)
-        else:  # dl-compile
-            import torchvision.transforms as T
-            from torchvision.datasets import ImageFolder
-            from tr_hydra.models.registry import build_model
-            torch.backends.cudnn.benchmark = True
-            tf = T.Compose([T.RandomResizedCrop(args.res), T.RandomHorizontalFlip(), T.ToTensor(),
-                            T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
-            ds = ImageFolder(str(Path(root) / "train"), tf)
-            dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=os.cpu_count() or 4,
-                                             pin_memory=True, drop_last=True, persistent_workers=True,
-                                             prefetch_factor=4)
-            model = build_model(args.model, 100).to(device).to(memory_format=torch.channels_last)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-            @torch.compile
-            def fwd_bwd(x, y):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            def run(limit):
-                n = 0
-                for x, y in dl:
-                    x = x.to(device, non_blocking=True).to(memory_format=torch.channels_last)
-                    fwd_bwd(x, y.to(device, non_blocking=True))
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    n += x.shape[0]
-                    if n >= limit:
-                        break
-                return n
-            run(8 * batch)
-            _sync()
-            first = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            n = run(steps * batch)
-            _sync()
-            rate = n / (time.perf_counter() - t1)
-        rec = {"mode": mode, "model": args.model, "batch": batch, "res": args.res, "images": n_train,
-               "img_per_sec": rate, "warmup_seconds": first}
-        print(json.dumps(rec), flush=True)
-        out.append(rec)
-    return out
+        elif k > warm_steps:
+            n += x.shape[0]
+    _sync()
+    return {"img_per_sec": n / (time.perf_counter() - t1), "images": n, "first_step_seconds": first}
+
+
+def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
+                           warm_steps: int = 8) -> dict:
+    """torchvision ImageFolder + DataLoader (a worker per core, pinned memory) with the usual
+    ImageNet training transforms; the model under torch.compile, bf16 autocast, fused SGD."""
+    import os
+    from pathlib import Path
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
+    t0 = time.perf_counter()
+    tf = T.Compose([T.RandomResizedCrop(res), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    ds = ImageFolder(str(Path(root) / "train"), tf)
+    dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=os.cpu_count() or 4,
+                                     pin_memory=device.type == "cuda", drop_last=True, persistent_workers=True,
+                                     prefetch_factor=4)
+    step = _compiled_step(model_name, len(ds.classes), device, amp)
+
+    def batches():
+        for _ in range(2):  # two epochs; the first warm_steps batches are the warm-up
+            for x, y in dl:
+                yield (x.to(device, non_blocking=True).to(memory_format=torch.channels_last),
+                       y.to(device, non_blocking=True))
+    return _timed_epoch(batches(), step, warm_steps, t0)
+
+
+def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
+                     warm_steps: int = 8) -> dict:
+    """NVIDIA DALI as its documentation sets it up (file reader, nvJPEG mixed decode, random
+    resized crop, flip, normalise to fp16 HWC; pipelined asynchronous executor, every core)
+    feeding the model under torch.compile, bf16 autocast, fused SGD."""
+    import os
+    from pathlib import Path
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    t0 = time.perf_counter()
+    train = Path(root) / "train"
+    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+
+    @pipeline_def(batch_size=batch, num_threads=os.cpu_count() or 4, device_id=device.index or 0, seed=1)
+    def pipe():
+        enc, label = fn.readers.file(file_root=str(train), random_shuffle=True, name="Reader")
+        img = fn.decoders.image(enc, device="mixed", output_type=types.RGB)
+        img = fn.random_resized_crop(img, size=(res, res))
+        img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), dtype=types.FLOAT16,
+                                       output_layout="HWC", mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+                                       std=[0.229 * 255, 0.224 * 255, 0.225 * 255])
+        return img, label.gpu()
+    p = pipe()
+    p.build()
+    it = DALIGenericIterator([p], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
+                             auto_reset=True)
+    step = _compiled_step(model_name, len(classes), device, amp)
+
+    def batches():
+        for _ in range(2):  # two epochs (auto_reset); the first warm_steps batches are the warm-up
+            for d in it:
+                yield d[0]["x"].permute(0, 3, 1, 2), d[0]["y"].view(-1).long()
+    return _timed_epoch(batches(), step, warm_steps, t0)
 
 
 def main(argv=None) -> int:
@@ -231,15 +282,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp = not a.fp32
     if a.data:
-        res = e2e(a, device)
-        base = next((r["img_per_sec"] for r in res if r["mode"] == "tr-synthetic"), None)
-        for r in res:
-            extra = f"  {r['img_per_sec'] / base:.3f} of tr-synthetic" if base else ""
-            print(f"{r['mode']:<14} {r['img_per_sec']:>10.1f} img/s  first {r['warmup_seconds']:.1f}s{extra}")
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
-        return 0
+        print("the end-to-end comparison is part of tr-bench now: tr-bench bench.data=<folder>", file=sys.stderr)
+        return 2
     results = []
     for mode in a.modes.split(","):
         t0 = time.perf_counter()

@@ -139,7 +139,7 @@ def test_corrupt_image_stops_with_one_line(tmp_path):
 def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     out = run("tr-bench", "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1",
               "bench.steps=2", "bench.repeats=2", "bench.warmup=1", "bench.epoch_mix=true",
-              f"bench.out={tmp_path / 'b.json'}", cwd=tmp_path)
+              "bench.modes=[eager,tr]", "bench.profile=true", f"bench.out={tmp_path / 'b.json'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "x best PyTorch" in out.stdout and "epoch mix" in out.stdout
     res = json.loads((tmp_path / "b.json").read_text())
@@ -147,6 +147,31 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     for m in res["modes"]:
         assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
     assert res["epoch_mix"]["variants"][:2] == ["train_base", "train_last"]
-    bad = run("tr-bench", "bench.modes=eager,turbo", cwd=tmp_path)
+    # the profiler pass: per-mode time by group, the convolutions among the top operators
+    assert [p["mode"] for p in res["profile"]] == ["eager", "tr"] and "kernels per step" in out.stdout
+    for p in res["profile"]:
+        assert any("conv" in k["name"] for k in p["top_kernels"][:5]) and p["wall_ms_per_step"] > 0
+    bad = run("tr-bench", "bench.modes=[eager,turbo]", cwd=tmp_path)
     lines = [l for l in bad.stderr.splitlines() if l.strip()]
-    assert bad.returncode == 2 and len(lines) == 1 and "bench.modes" in lines[0]
+    assert bad.returncode == 2 and len(lines) == 1 and "unknown ['turbo']" in lines[0], bad.stderr
+
+
+def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("val", 12)):
+        for i in range(n):
+            d = tmp_path / "jpegs" / split / f"c{i % 3}"
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
+    out = run("tr-bench", "recipe=cpu_smoke", f"bench.data={tmp_path / 'jpegs'}", "bench.warmup=2",
+              "bench.modes=[tr,dl-compile]", "variants.batch_size=8", "variants.base_res=16",
+              "variants.val_res=16", f"bench.out={tmp_path / 'e.json'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "e.json").read_text())
+    assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile"] and res["train_images"] == 40
+    tr = res["modes"][0]
+    assert tr["images"] == 40 - 2 * 8 + 40 and tr["img_per_sec"] > 0  # rest of epoch 0, all of epoch 1
+    bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown ['reduce-overhead'] with bench.data" in bad.stderr

@@ -18,6 +18,7 @@ from tr_hydra.cli._common import compose, user_errors
 
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
 TR_MODES = ("tr", "tr-inductor")
+E2E_MODES = ("tr", "dali-compile", "dl-compile")
 
 
 def _sync(device):
@@ -25,15 +26,57 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _modes(spec: str, device) -> list[str]:
+def _modes(spec, device, e2e: bool = False) -> list[str]:
+    known = E2E_MODES if e2e else PYTORCH_MODES + TR_MODES
     if spec == "auto":
+        if e2e:
+            return list(E2E_MODES) if device.type == "cuda" else ["tr", "dl-compile"]
         return ["eager", "compile", "reduce-overhead", "tr", "tr-inductor"] if device.type == "cuda" else ["eager", "tr"]
-    modes = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in modes if m not in PYTORCH_MODES + TR_MODES]
+    items = spec.split(",") if isinstance(spec, str) else [str(m) for m in spec]  # "a,b" or [a,b]
+    modes = [m.strip() for m in items if m.strip()]
+    bad = [m for m in modes if m not in known]
     if bad:
         from tr_hydra.errors import ConfigError
-        raise ConfigError(f"bench.modes: unknown {bad}; choose from {', '.join(PYTORCH_MODES + TR_MODES)}")
+        what = " with bench.data" if e2e else ""
+        raise ConfigError(f"bench.modes: unknown {bad}{what}; choose from {', '.join(known)}")
     return modes
+
+
+def end_to_end(pc, b, device) -> dict:
+    """tr_hydra, DALI + torch.compile and DataLoader + torch.compile on the JPEG folder
+    ``bench.data``, same model, batch, resolution and precision; img/s over the rest of a first
+    epoch after a warm-up and a second whole epoch."""
+    from tr_hydra.bench import (e2e_dali_compile, e2e_dataloader_compile, e2e_tr, folder_config,
+                                make_jpegs)
+    modes = _modes(b.modes, device, e2e=True)
+    if b.generate:
+        make_jpegs(b.data, b.generate)
+    fpc = folder_config(pc, b.data, pc.runtime.compile)
+    v = fpc.variant("train_base")
+    records = []
+    for m in modes:
+        if m == "tr":
+            r = e2e_tr(fpc, "/tmp/tr_bench_e2e", warm_steps=b.warmup)
+        elif m == "dali-compile":
+            r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup)
+        else:
+            r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup)
+        r["mode"] = m
+        records.append(r)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"config": fpc.describe(), "device": str(device), "data": b.data, "train_images": fpc.train_size,
+            "batch": v.batch, "res": v.res, "modes": records}
+
+
+def e2e_table(records: list[dict]) -> str:
+    tr = next((r for r in records if r["mode"] == "tr"), None)
+    lines = [f"{'mode':<14} {'img/s':>10} {'tr_hydra x':>11} {'first step s':>13}"]
+    for r in records:
+        ratio = tr["img_per_sec"] / r["img_per_sec"] if tr else float("nan")
+        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f}")
+    return "\n".join(lines)
 
 
 class Mode:
@@ -58,21 +101,26 @@ class Mode:
                 pc.runtime, compile="inductor" if name == "tr-inductor" else "none"))
             self.trainer = Trainer(tpc, "/tmp/tr_bench_run", log=lambda *_: None, telemetry=False)
             self.trainer.capture()
-            full = [s for s in epoch_schedule(tpc, tpc.lowres_epochs) if s[0] == "train_base"]
-            self.sched = full[:1]
-            self.step = lambda: self.trainer.run_steps(self.sched, "train")
-        for _ in range(max(warmup, 1)):
-            self.step()
+            self.step = None
+        self.run(max(warmup, 1))
         _sync(device)
         self.first_seconds = time.perf_counter() - t0
         self.peak_bytes = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
         self.times: list[float] = []
 
+    def run(self, steps: int) -> None:
+        """``steps`` training steps. tr_hydra runs them as one schedule, as in training: the
+        feeder fills one input buffer while the step on the other runs."""
+        if self.trainer is None:
+            for _ in range(steps):
+                self.step()
+        else:
+            self.trainer.run_steps([("train_base", i, self.batch) for i in range(steps)], "train")
+
     def time(self, steps: int) -> None:
         _sync(self.device)
         t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
+        self.run(steps)
         _sync(self.device)
         self.times.append(steps * self.batch / (time.perf_counter() - t0))
 
@@ -81,6 +129,85 @@ class Mode:
         return {"mode": self.name, "img_per_sec_median": statistics.median(r), "img_per_sec_all": r,
                 "spread": (max(r) - min(r)) / statistics.median(r) if r else 0.0,
                 "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds}
+
+
+KERNEL_GROUPS = (  # first match wins: where a step's device time goes
+    ("tr_hydra range kernels", ("_update_kernel", "_lars_kernel", "_cast_kernel", "_ema_kernel", "_nonfinite")),
+    ("NCCL", ("nccl",)),
+    ("convolution (cuDNN)", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "sm90", "sm100")),
+    ("matmul (cuBLAS)", ("gemm", "cublas", "cutlass")),
+    ("Inductor (Triton)", ("triton_",)),
+    ("BatchNorm (eager)", ("batch_norm", "batchnorm", "bn_")),
+    ("multi-tensor (optimizer, grad copy)", ("fused_sgd", "multi_tensor", "foreach")),
+    ("memset / memcpy", ("memset", "memcpy", "Memset", "Memcpy")),
+    ("elementwise / reduce (eager)", ("elementwise", "reduce", "vectorized", "unrolled", "Reduce")),
+)
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k.lower() in low for k in keys):
+            return group
+    return "other"
+
+
+def profile_mode(mode: "Mode", steps: int = 5) -> dict:
+    """torch.profiler over ``steps`` steps: device time per step by kernel group, the top kernels,
+    kernel count per step, and how much of the step the device is busy."""
+    from torch.profiler import ProfilerActivity, profile
+    mode.run(1)
+    _sync(mode.device)
+    cuda = mode.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        mode.run(steps)
+        _sync(mode.device)
+        wall = time.perf_counter() - t0
+    groups: dict[str, list[float]] = {}
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if cuda:  # kernels, including those replayed inside CUDA graphs
+            dev_us = getattr(ev, "device_time", None)
+            if dev_us is None:
+                dev_us = getattr(ev, "cuda_time", 0.0)
+            if not (str(getattr(ev, "device_type", "")).endswith("CUDA") and dev_us):
+                continue
+        else:  # CPU: operators by their own time
+            dev_us = ev.self_cpu_time_total
+            if not dev_us or ev.name.startswith("ProfilerStep"):
+                continue
+        if True:
+            g = groups.setdefault(_group(ev.name), [0.0, 0])
+            g[0] += dev_us
+            g[1] += 1
+            k = kernels.setdefault(ev.name, [0.0, 0])
+            k[0] += dev_us
+            k[1] += 1
+    per = max(steps, 1)
+    busy = sum(v[0] for v in groups.values()) / per
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20]
+    return {"mode": mode.name, "wall_ms_per_step": 1000 * wall / per, "device_busy_ms_per_step": busy / 1000,
+            "kernels_per_step": sum(v[1] for v in groups.values()) / per,
+            "groups_ms_per_step": {g: v[0] / per / 1000 for g, v in sorted(groups.items(), key=lambda kv: -kv[1][0])},
+            "group_kernels_per_step": {g: v[1] / per for g, v in groups.items()},
+            "top_kernels": [{"name": n[:160], "ms_per_step": v[0] / per / 1000, "calls_per_step": v[1] / per}
+                            for n, v in top]}
+
+
+def profile_table(profiles: list[dict]) -> str:
+    groups = []
+    for p in profiles:
+        groups += [g for g in p["groups_ms_per_step"] if g not in groups]
+    head = f"{'device ms per step':<30}" + "".join(f"{p['mode']:>16}" for p in profiles)
+    lines = [head]
+    for g in groups:
+        lines.append(f"{g:<30}" + "".join(f"{p['groups_ms_per_step'].get(g, 0.0):>16.3f}" for p in profiles))
+    lines.append(f"{'device busy':<30}" + "".join(f"{p['device_busy_ms_per_step']:>16.3f}" for p in profiles))
+    lines.append(f"{'wall':<30}" + "".join(f"{p['wall_ms_per_step']:>16.3f}" for p in profiles))
+    lines.append(f"{'kernels per step':<30}" + "".join(f"{p['kernels_per_step']:>16.0f}" for p in profiles))
+    return "\n".join(lines)
 
 
 def epoch_mix(pc, device) -> dict:
@@ -133,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         pc = plan_config_from(cfg)
         b = cfg.bench
         device = pick_device(pc)
+        if b.data:
+            out = end_to_end(pc, b, device)
+            print(e2e_table(out["modes"]))
+            path = b.out or "bench.json"
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"results in {path}")
+            return 0
         modes = _modes(b.modes, device)
         if pc.data.name != "synthetic":  # the step is what is measured; data comes from the device
             pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="synthetic"))
@@ -143,9 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         records = [m.record() for m in built]
         out = {"config": pc.describe(), "device": str(device), "batch": pc.batch_size,
                "res": pc.variant("train_base").res, "steps": b.steps, "repeats": b.repeats, "modes": records}
+        if b.profile:
+            out["profile"] = [profile_mode(m) for m in built]
         if b.epoch_mix:
             out["epoch_mix"] = epoch_mix(pc, device)
     print(table(records))
+    if "profile" in out:
+        print(profile_table(out["profile"]))
     if "epoch_mix" in out:
         em = out["epoch_mix"]
         print(f"epoch mix ({', '.join(em['variants'])}): {em['train_img_per_sec_with_val']:,.1f} img/s, "

@@ -188,11 +188,14 @@ class DistConfig:
 
 @dataclass
 class BenchConfig:
-    modes: str = "auto"
+    modes: Any = "auto"   # "auto", or a list: bench.modes=[eager,reduce-overhead,tr]
     steps: int = 20
     repeats: int = 3
     warmup: int = 5
     epoch_mix: bool = False
+    profile: bool = False
+    data: Optional[str] = None   # a JPEG folder (train/<class>/*.jpg): measure end to end instead
+    generate: int = 0            # first write this many ImageNet-sized JPEGs into bench.data
     out: Optional[str] = None
 
 
