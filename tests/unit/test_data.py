@@ -205,3 +205,26 @@ def test_smaller_train_size_takes_a_spread_over_classes(tmp_path):
     assert src.index["train"].paths == sorted(src.index["train"].paths)
     with pytest.raises(ConfigError, match="expects 13 val samples"):
         DaliSource(folder_config(tmp_path, train=6, val=13), torch.device("cpu"), torch.float32)
+
+
+def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
+    """Full batches come from the asynchronous stream (DALI's file reader, decoding ahead), the
+    partial last batch from the synchronous path; both give exactly the epoch's order. A
+    request out of sequence (a resumed position) restarts the stream there."""
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
+    pc = folder_config(tmp_path, shuffle=True, train=13, val=13)
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    for epoch in (0, 1):
+        order = src.order("train", epoch)
+        for i, size in ((0, 4), (1, 4), (2, 4), (3, 1)):
+            got = src.batch("train", i, 4, size, 16, epoch=epoch)
+            want = ref._decode("train", i, 4, size, 16, epoch)
+            assert np.array_equal(_dense(got), _dense(want))
+            assert got.labels.tolist() == ref.index["train"].labels[order[i * 4:i * 4 + size]].tolist()
+            if size == 4:
+                assert src._streams["train"].next == (i + 1) % 3
+    first = src._streams["train"]
+    b = src.batch("train", 2, 4, 4, 16, epoch=1)  # out of sequence: a new stream from batch 2
+    assert src._streams["train"] is not first and src._streams["train"].first == 2
+    assert np.array_equal(_dense(b), _dense(ref._decode("train", 2, 4, 4, 16, 1)))

@@ -85,32 +85,47 @@ DEPTH = 2  # batches DALI prepares ahead of the one being consumed
 
 
 class _Stream:
-    """One split's batches in order from ``start``, through a pipeline with DALI's asynchronous
-    pipelined executor: DALI calls ``_next`` (in the thread that runs it) ``DEPTH`` batches ahead
-    and decodes them while the training step runs. After the last batch it wraps to the first
-    (validation passes repeat; a train stream ends with its epoch)."""
+    """One split's full batches in order from ``start``, through a pipeline with DALI's pipelined
+    asynchronous executor, ``DEPTH`` batches ahead of the one consumed. Files are read by DALI's
+    own file reader (its threads, not Python's) from the exact list this (seed, epoch, shard)
+    orders; in-memory arrays come through a callback. After the last full batch the stream wraps
+    to its first (validation passes repeat; a train stream ends with its epoch); a partial last
+    batch is not part of the stream."""
 
     def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int):
         self.src, self.split, self.key, self.batch = src, split, key, batch
         res, max_batch, epoch = key
         self.order = src.order(split, epoch)
-        self.count = -(-len(self.order) // batch)
-        self.next = start          # the index the next run() returns
-        self._fed = start          # the index the source produces next
-        self._in_flight: deque = deque()
-        self.pipe = src._build(split, res, max_batch, epoch=epoch, source=self._next)
+        self.count = len(self.order) // batch   # full batches
+        self.first = self.next = start          # the index the next run() returns
+        batches = [src._replace_bad(split, self.order[i * batch:(i + 1) * batch]) for i in range(start, self.count)]
+        self._replaced = [r for _, r in batches]
+        self._ids = [ids for ids, _ in batches]
+        self._fed = 0
+        idx = src.index[split]
+        if idx.encoded:
+            ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
+            files = ([idx.paths[i] for i in ids], [int(i) for i in ids])
+            self.pipe = src._build(split, res, max_batch, epoch=epoch, files=files)
+        else:
+            self.pipe = src._build(split, res, max_batch, epoch=epoch, source=self._next)
 
     def _next(self):
-        i = self._fed
-        self._fed = (i + 1) % self.count
-        ids, replaced = self.src._replace_bad(self.split, self.order[i * self.batch:(i + 1) * self.batch])
-        samples = self.src._samples(self.split, ids)
-        self._in_flight.append((ids, replaced))
-        return samples
+        ids = self._ids[self._fed]
+        self._fed = (self._fed + 1) % len(self._ids)
+        return self.src._samples(self.split, ids)
 
-    def done(self) -> tuple[np.ndarray, int]:
-        self.next = (self.next + 1) % self.count
-        return self._in_flight.popleft()
+    def run(self) -> tuple[object, np.ndarray, int]:
+        """(images, the sample ids they are, how many known-bad samples were replaced)."""
+        out = self.pipe.run()
+        k = self.next - self.first
+        self.next = self.next + 1 if self.next + 1 < self.count else self.first
+        ids = self._ids[k]
+        if len(out) > 1:  # the reader says which files it read: they must be the planned ones
+            got = np.asarray(out[1].as_array()).reshape(-1)
+            if not np.array_equal(got, ids):
+                raise DataError(f"data: the {self.split} reader is out of step (batch {self.first + k})")
+        return out[0], ids, self._replaced[k]
 
 
 class DaliSource:
@@ -145,10 +160,11 @@ class DaliSource:
         return self._pipes[key]
 
     def _build(self, split: str, res: int, max_batch: int, device_override=None, epoch: int = 0,
-               source=None):
-        """A pipeline fed through ``feed_input`` (synchronous executor), or, with ``source`` (a
-        callable returning the next batch's encoded samples), DALI's pipelined asynchronous
-        executor, which reads, decodes and augments ``DEPTH`` batches ahead."""
+               source=None, files=None):
+        """A pipeline fed through ``feed_input`` (synchronous executor), or DALI's pipelined
+        asynchronous executor working ``DEPTH`` batches ahead, reading ``files`` ((paths, sample
+        ids) in order) with its file reader or taking batches from ``source`` (a callable)."""
+        stream = source is not None or files is not None
         from nvidia.dali import fn, pipeline_def, types
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
@@ -158,11 +174,16 @@ class DaliSource:
         @pipeline_def(batch_size=max_batch, num_threads=max(1, d.num_threads),
                       device_id=(self.device.index or 0) if gpu else None,
                       seed=(self.pc.seed * 7919 + epoch * 104729 + res * 31 + (split == "val")) % (2**31),
-                      prefetch_queue_depth=DEPTH if source else 1,
-                      exec_async=source is not None, exec_pipelined=source is not None)
+                      prefetch_queue_depth=DEPTH if stream else 1,
+                      exec_async=stream, exec_pipelined=stream)
         def pipe():
             src = {"source": source, "batch": True} if source else {"name": "images"}
-            if encoded:
+            sid = None
+            if files is not None:
+                enc, sid = fn.readers.file(files=files[0], labels=files[1], random_shuffle=False,
+                                           name="Reader", prefetch_queue_depth=DEPTH)
+                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+            elif encoded:
                 enc = fn.external_source(**src, dtype=types.UINT8, ndim=1)
                 img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
             else:
@@ -177,9 +198,10 @@ class DaliSource:
                 shorter = res if split == "train" else int(round(res / d.val_crop))
                 img = fn.resize(img, resize_shorter=shorter)
                 mirror = 0
-            return fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
-                                            std=list(d.std), dtype=dtype, output_layout="HWC",
-                                            pad_output=self.half)
+            out = fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
+                                           std=list(d.std), dtype=dtype, output_layout="HWC",
+                                           pad_output=self.half)
+            return (out, sid) if sid is not None else out
         p = pipe()
         p.build()
         return p
@@ -213,28 +235,29 @@ class DaliSource:
         self._after = after
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
-        """Batch ``index`` of ``split`` in this epoch's order. Consecutive requests come from the
-        split's asynchronous stream, decoded ahead; any other request (a resumed position, a
-        failed decode) starts a new stream there."""
-        key = (res, max(batch, size), epoch if split == "train" else 0)
-        st = self._streams.get(split)
-        if st is None or st.key != key or st.next != index:
-            st = self._streams[split] = _Stream(self, split, key, batch, index)
+        """Batch ``index`` of ``split`` in this epoch's order. Consecutive full batches come from
+        the split's asynchronous stream, decoded ahead; any other request (a resumed position,
+        a failed decode) starts a new stream there. A partial last batch (once per epoch) is
+        decoded on its own."""
         if self._after is not None:
             self._after.synchronize()  # the previous batch's buffers are free once copied out
             self._after = None
+        if size < batch:
+            return self._decode(split, index, batch, size, res, epoch)
+        key = (res, batch, epoch if split == "train" else 0)
+        st = self._streams.get(split)
+        if st is None or st.key != key or st.next != index:
+            st = self._streams[split] = _Stream(self, split, key, batch, index)
         try:
             with native_stderr_kept_on_success():
-                (images,) = st.pipe.run()
+                images, ids, replaced = st.run()
         except DataError:
             self._streams.pop(split, None)
             raise
-        except Exception:  # a decode failure: this batch synchronously, with the full handling
+        except Exception:  # a read or decode failure: this batch synchronously, with the full handling
             self._streams.pop(split, None)
             return self._decode(split, index, batch, size, res, epoch)
-        ids, replaced = st.done()
         if len(ids) != size:
-            self._streams.pop(split, None)
             raise DataError(f"data: {split} batch {index} has {len(ids)} samples, expected {size}")
         self.skipped += replaced
         labels = torch.from_numpy(self.index[split].labels[ids].copy())
