@@ -210,29 +210,172 @@ def profile_table(profiles: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def epoch_mix(pc, device) -> dict:
-    """tr_hydra over a whole schedule of variants (low-res and base epochs with their last
-    batches, validation): img/s over the schedule and the time to the first step of every
-    variant (capture of all graphs included)."""
-    from tr_hydra.runtime.runner import Trainer, epoch_schedule, val_schedule
+MIX_MODES = ("tr", "eager", "reduce-overhead-static", "reduce-overhead-dynamic")
+
+
+def _mix_schedule(pc) -> tuple[list[tuple[str, str, int, int]], int]:
+    """Every step of the mix, in order: (split, variant, index, size) over enough epochs to
+    cover low-res and full-res training, validation after each epoch; and the training images."""
+    from tr_hydra.runtime.runner import epoch_schedule, val_schedule
+    steps, n = [], 0
+    for e in range(max(pc.lowres_epochs + 1, 2)):
+        sched = epoch_schedule(pc, e)
+        steps += [("train", v, i, size) for v, i, size in sched]
+        n += sum(size for _, _, size in sched)
+        steps += [("val", v, i, size) for v, i, size in val_schedule(pc)]
+    return steps, n
+
+
+def _variant_times(run_one, variants, repeat: int) -> dict:
+    out = {}
+    for v in variants:
+        run_one(v, 1)
+        _sync_all()
+        t0 = time.perf_counter()
+        run_one(v, repeat)
+        _sync_all()
+        out[v.name] = 1000 * (time.perf_counter() - t0) / repeat
+    return out
+
+
+def _sync_all():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mix_tr(pc, device, repeat: int) -> dict:
+    """tr_hydra: build and capture every variant, then the whole schedule."""
+    from tr_hydra.runtime.runner import Trainer
     t0 = time.perf_counter()
     tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *_: None, telemetry=False)
     tr.capture()
-    ready = time.perf_counter() - t0
-    epochs = max(pc.lowres_epochs + 1, 2)
-    n, t1 = 0, time.perf_counter()
-    for e in range(epochs):
-        sched = epoch_schedule(pc, e)
-        tr.run_steps(sched, "train", epoch=e)
-        n += sum(s[2] for s in sched)
+    tr.run_steps([(v.name, 0, v.batch) for v in pc.variants if v.train], "train")
+
+    def run_val(fn):
         tr.model.eval()
         with tr.ex.folded():
-            tr.run_steps(val_schedule(pc), "val")
+            fn()
         tr.model.train()
+    run_val(lambda: tr.run_steps([(v.name, 0, v.batch) for v in pc.variants if not v.train], "val"))
     _sync(device)
-    return {"mode": "tr epoch mix", "variants": [v.name for v in pc.variants],
-            "train_img_per_sec_with_val": n / (time.perf_counter() - t1),
-            "first_step_of_all_variants_seconds": ready, "epochs": epochs}
+    ready = time.perf_counter() - t0
+
+    def run_one(v, k):
+        steps = [(v.name, i, v.batch) for i in range(k)]
+        if v.train:
+            tr.run_steps(steps, "train")
+        else:
+            run_val(lambda: tr.run_steps(steps, "val"))
+    per_variant = _variant_times(run_one, pc.variants, repeat)
+    steps, n = _mix_schedule(pc)
+    t1 = time.perf_counter()
+    e = k = 0
+    while k < len(steps):  # consecutive steps of one split run as one schedule (A/B feeding)
+        split = steps[k][0]
+        j = k
+        while j < len(steps) and steps[j][0] == split:
+            j += 1
+        chunk = [(v, i, size) for _, v, i, size in steps[k:j]]
+        if split == "train":
+            tr.run_steps(chunk, "train", epoch=e)
+        else:
+            run_val(lambda: tr.run_steps(chunk, "val"))
+            e += 1
+        k = j
+    _sync(device)
+    return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
+            "step_ms_by_variant": per_variant}
+
+
+def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
+    """The same schedule in PyTorch: the torchvision model, channels_last, bf16 autocast, fused
+    SGD; eager, or torch.compile(mode="reduce-overhead") with dynamic=False (a graph per shape)
+    or its default automatic dynamic shapes. Training and validation are compiled separately."""
+    import torch.nn.functional as F
+    from tr_hydra.models.registry import build_model
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = build_model(pc.model.name, pc.model.num_classes).to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=device.type == "cuda")
+    amp = pc.amp
+
+    def fwd_bwd(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    def fwd(x):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            return model(x).argmax(1)
+    if mode != "eager":
+        dynamic = False if mode.endswith("static") else None
+        fwd_bwd = torch.compile(fwd_bwd, mode="reduce-overhead", dynamic=dynamic)
+        fwd = torch.compile(fwd, mode="reduce-overhead", dynamic=dynamic)
+    data = {}
+    for v in pc.variants:
+        x = torch.randn(v.batch, pc.data.channels, v.res, v.res, device=device).to(memory_format=torch.channels_last)
+        data[v.name] = (x.to(torch.bfloat16) if amp else x, torch.randint(0, pc.model.num_classes, (v.batch,), device=device))
+    mark = getattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+
+    def step(vname, train):
+        x, y = data[vname]
+        mark()
+        if train:
+            model.train()
+            fwd_bwd(x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.eval()
+            fwd(x)
+    for v in pc.variants:
+        step(v.name, v.train)
+    _sync(device)
+    ready = time.perf_counter() - t0
+
+    def run_one(v, k):
+        for _ in range(k):
+            step(v.name, v.train)
+    per_variant = _variant_times(run_one, pc.variants, repeat)
+    steps, n = _mix_schedule(pc)
+    t1 = time.perf_counter()
+    for split, v, _, _ in steps:
+        step(v, split == "train")
+    _sync(device)
+    return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
+            "step_ms_by_variant": per_variant}
+
+
+def epoch_mix(pc, device, modes=None, repeat: int = 5) -> dict:
+    """A real epoch mix rather than one shape: low-res and full-res epochs with their last
+    batches and validation at both batch sizes. For each mode: img/s over the whole schedule
+    (training images over training and validation time), the time to the first step of every
+    variant (compiles and captures included), and each variant's own ms/step."""
+    modes = modes or (["tr", "reduce-overhead-static", "reduce-overhead-dynamic"] if device.type == "cuda"
+                      else ["tr", "eager"])
+    bad = [m for m in modes if m not in MIX_MODES]
+    if bad:
+        from tr_hydra.errors import ConfigError
+        raise ConfigError(f"bench.epoch_mix_modes: unknown {bad}; choose from {', '.join(MIX_MODES)}")
+    out = {"variants": {v.name: {"batch": v.batch, "res": v.res, "train": v.train} for v in pc.variants},
+           "modes": {}}
+    for m in modes:
+        r = mix_tr(pc, device, repeat) if m == "tr" else mix_pytorch(pc, device, m, repeat)
+        out["modes"][m] = r
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def mix_table(mix: dict) -> str:
+    names = list(mix["variants"])
+    head = f"{'epoch mix':<24} {'img/s':>9} {'first (s)':>10} " + " ".join(f"{n:>18}" for n in names)
+    lines = [head, f"{'':<45}" + " ".join(f"{str(mix['variants'][n]['batch']) + 'x' + str(mix['variants'][n]['res']) + ' ms':>18}" for n in names)]
+    for m, r in mix["modes"].items():
+        lines.append(f"{m:<24} {r['img_per_sec']:>9,.0f} {r['first_step_of_all_variants_seconds']:>10.1f} "
+                     + " ".join(f"{r['step_ms_by_variant'][n]:>18.2f}" for n in names))
+    return "\n".join(lines)
 
 
 def table(records: list[dict]) -> str:
@@ -281,14 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         if b.profile:
             out["profile"] = [profile_mode(m) for m in built]
         if b.epoch_mix:
-            out["epoch_mix"] = epoch_mix(pc, device)
+            mm = b.epoch_mix_modes
+            mm = None if mm == "auto" else ([m.strip() for m in mm.split(",")] if isinstance(mm, str) else [str(m) for m in mm])
+            out["epoch_mix"] = epoch_mix(pc, device, mm)
     print(table(records))
     if "profile" in out:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
-        em = out["epoch_mix"]
-        print(f"epoch mix ({', '.join(em['variants'])}): {em['train_img_per_sec_with_val']:,.1f} img/s, "
-              f"first step of all variants after {em['first_step_of_all_variants_seconds']:.1f}s")
+        print(mix_table(out["epoch_mix"]))
     path = b.out or "bench.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

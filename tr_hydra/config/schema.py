@@ -193,6 +193,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 5
     epoch_mix: bool = False
+    epoch_mix_modes: Any = "auto"
     profile: bool = False
     data: Optional[str] = None   # a JPEG folder (train/<class>/*.jpg): measure end to end instead
     generate: int = 0            # first write this many ImageNet-sized JPEGs into bench.data
