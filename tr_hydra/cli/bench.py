@@ -82,9 +82,10 @@ def e2e_table(records: list[dict]) -> str:
 class Mode:
     """One way of running the training step, built and warmed up, ready to be timed."""
 
-    def __init__(self, name: str, pc, device, warmup: int):
+    def __init__(self, name: str, pc, device, warmup: int, single_buffer: bool = False):
         from tr_hydra.bench import pytorch_runner
         self.name, self.pc, self.device = name, pc, device
+        self.single_buffer = single_buffer
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -114,6 +115,9 @@ class Mode:
         if self.trainer is None:
             for _ in range(steps):
                 self.step()
+        elif self.single_buffer:  # diagnostic: every step on buffer A, copy and step serialised
+            for i in range(steps):
+                self.trainer.run_steps([("train_base", i, self.batch)], "train")
         else:
             self.trainer.run_steps([("train_base", i, self.batch) for i in range(steps)], "train")
 
@@ -414,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = _modes(b.modes, device)
         if pc.data.name != "synthetic":  # the step is what is measured; data comes from the device
             pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="synthetic"))
-        built = [Mode(m, pc, device, b.warmup) for m in modes]
+        built = [Mode(m, pc, device, b.warmup, b.single_buffer) for m in modes]
         for _ in range(b.repeats):
             for m in built:  # interleaved repeats
                 m.time(b.steps)

@@ -195,6 +195,7 @@ class BenchConfig:
     epoch_mix: bool = False
     epoch_mix_modes: Any = "auto"
     profile: bool = False
+    single_buffer: bool = False  # diagnostic: tr_hydra steps one at a time on input buffer A
     data: Optional[str] = None   # a JPEG folder (train/<class>/*.jpg): measure end to end instead
     generate: int = 0            # first write this many ImageNet-sized JPEGs into bench.data
     out: Optional[str] = None

@@ -99,6 +99,15 @@ def run(model_name: str = "resnet50", device: str = "cuda") -> dict:
     tl = _time(lambda: tri.fused_update("RANGE_UPDATE_WEIGHT_LARS", wl, gl, [ml], h, wd, gate,
                                         segments=seg, norms=norms))
     record("LARS", tl * n / nl, {"note": "includes the per-tensor norm pass"})
+    # its parts: the one-pass block sums of squares of w and g, the float64 segment reduction
+    nb = nl // ref.BLOCK
+    sums = torch.empty(2, nb, dtype=torch.float64, device=dev)
+    rows = tri.LAUNCH["lars"][0] // ref.BLOCK
+    t_norm = _time(lambda: tri._block_sumsq_kernel[(-(-nb // rows),)](wl, gl, sums[0], sums[1], nb, SEG=ref.BLOCK,
+                                                                      ROWS=rows, num_warps=tri.LAUNCH["lars"][1]))
+    t_red = _time(lambda: seg.reduce_blocks(sums[0]))
+    res["lars_parts_us"] = {"block_sums_of_squares": t_norm * 1e6, "segment_reduction_each": t_red * 1e6,
+                            "block_sums_GBps": 8 * nl / t_norm / 1e9}
     del wl, gl, ml
     half = torch.empty(n, dtype=torch.bfloat16, device=dev)
     record("cast fp32->bf16", _time(lambda: tri.fused_cast(half, w)))
@@ -156,6 +165,10 @@ def main(argv=None) -> int:
           f"{r['d2d_copy_GBps']:,.0f} GB/s ({r['d2d_copy_span_GBps']:,.0f} GB/s at the span's size)")
     for k in r["kernels"]:
         print(f"  {k['kernel']:<16} {k['us']:8.1f} us  {k['GBps']:7,.0f} GB/s  {100 * k['fraction_of_copy']:5.1f}% of copy")
+    if "lars_parts_us" in r:
+        lp = r["lars_parts_us"]
+        print(f"  LARS parts: block sums of squares {lp['block_sums_of_squares']:.1f} us "
+              f"({lp['block_sums_GBps']:,.0f} GB/s), segment reduction {lp['segment_reduction_each']:.1f} us each")
     t = r["torch_fused_sgd_momentum"]
     print(f"  {'torch fused SGD':<16} {t['us']:8.1f} us  {t['GBps']:7,.0f} GB/s  {100 * t['fraction_of_copy']:5.1f}% of copy"
           f"  (momentum, {r['tensors']} tensors)")

@@ -72,15 +72,18 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
 
 
 @triton.jit
-def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n, lr_ptr, mom_ptr, wd_ptr, gate_ptr,
-                 SEG_BLOCK: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
-    """The LARS update once the per-tensor trust ratios are known: each element finds its
-    tensor's ratio through the compile-time block table (64-element blocks never straddle)."""
+def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr, mom_ptr, wd_ptr, gate_ptr,
+                 SEG: tl.constexpr, ROWS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The LARS update once the per-tensor trust ratios are known. The span is seen as rows of
+    SEG elements (slots are whole rows, so a row never straddles two tensors): each row looks
+    up its tensor's ratio once through the compile-time block table."""
     pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    seg = tl.load(block_ids_ptr + offs // SEG_BLOCK, mask=mask, other=0)
-    trust = tl.load(trust_ptr + seg, mask=mask, other=1.0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_blocks
+    seg = tl.load(block_ids_ptr + rows, mask=rmask, other=0)
+    trust = tl.load(trust_ptr + seg, mask=rmask, other=1.0)[:, None]
+    offs = rows[:, None] * SEG + tl.arange(0, SEG)[None, :]
+    mask = rmask[:, None]
     lr = tl.load(lr_ptr)
     mom = tl.load(mom_ptr)
     wd = tl.load(wd_ptr)
@@ -233,10 +236,9 @@ def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
     rec[:, 0].copy_(w_norm)
     rec[:, 1].copy_(g_norm)
     rec[:, 2].copy_(trust)
-    n = w.numel()
-    _lars_kernel[_grid(n, "lars")](w, g, m, trust, segments.block_ids, n, h.lr, h.momentum, wd,
-                                   gate if gate is not None else h.lr,
-                                   SEG_BLOCK=SEG_BLOCK, HAS_GATE=gate is not None, **_cfg("lars"))
+    _lars_kernel[(triton.cdiv(nb, rows),)](w, g, m, trust, segments.block_ids, nb, h.lr, h.momentum, wd,
+                                           gate if gate is not None else h.lr, SEG=SEG_BLOCK, ROWS=rows,
+                                           HAS_GATE=gate is not None, num_warps=LAUNCH["lars"][1])
 
 
 def fused_cast(dst, src, scale=None) -> None:
