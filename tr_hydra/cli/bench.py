@@ -32,14 +32,19 @@ def _modes(spec, device, e2e: bool = False) -> list[str]:
         if e2e:
             return list(E2E_MODES) if device.type == "cuda" else ["tr", "dl-compile"]
         return ["eager", "compile", "reduce-overhead", "tr", "tr-inductor"] if device.type == "cuda" else ["eager", "tr"]
-    items = spec.split(",") if isinstance(spec, str) else [str(m) for m in spec]  # "a,b" or [a,b]
-    modes = [m.strip() for m in items if m.strip()]
+    modes = _as_list(spec)
     bad = [m for m in modes if m not in known]
     if bad:
         from tr_hydra.errors import ConfigError
         what = " with bench.data" if e2e else ""
         raise ConfigError(f"bench.modes: unknown {bad}{what}; choose from {', '.join(known)}")
     return modes
+
+
+def _as_list(spec) -> list[str]:
+    """A mode list given as [a,b] (a list) or "a,b" (a string)."""
+    items = spec.split(",") if isinstance(spec, str) else [str(m) for m in spec]
+    return [m.strip() for m in items if m.strip()]
 
 
 def end_to_end(pc, b, device) -> dict:
@@ -410,10 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if b.data:
             out = end_to_end(pc, b, device)
             print(e2e_table(out["modes"]))
-            path = b.out or "bench.json"
-            with open(path, "w") as f:
-                json.dump(out, f, indent=1)
-            print(f"results in {path}")
+            _write(out, b.out)
             return 0
         modes = _modes(b.modes, device)
         if pc.data.name != "synthetic":  # the step is what is measured; data comes from the device
@@ -428,19 +430,22 @@ def main(argv: list[str] | None = None) -> int:
         if b.profile:
             out["profile"] = [profile_mode(m) for m in built]
         if b.epoch_mix:
-            mm = b.epoch_mix_modes
-            mm = None if mm == "auto" else ([m.strip() for m in mm.split(",")] if isinstance(mm, str) else [str(m) for m in mm])
+            mm = None if b.epoch_mix_modes == "auto" else _as_list(b.epoch_mix_modes)
             out["epoch_mix"] = epoch_mix(pc, device, mm)
     print(table(records))
     if "profile" in out:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
         print(mix_table(out["epoch_mix"]))
-    path = b.out or "bench.json"
+    _write(out, b.out)
+    return 0
+
+
+def _write(out: dict, path: str | None) -> None:
+    path = path or "bench.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"results in {path}")
-    return 0
 
 
 if __name__ == "__main__":
