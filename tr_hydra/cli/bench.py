@@ -102,7 +102,7 @@ class Mode:
             step = pytorch_runner(pc.model.name, v.batch, v.res, pc.model.num_classes, name, device, pc.amp)
             self.step = step
         else:
-            from tr_hydra.runtime.runner import Trainer, epoch_schedule
+            from tr_hydra.runtime.runner import Trainer
             tpc = dataclasses.replace(pc, runtime=dataclasses.replace(
                 pc.runtime, compile="inductor" if name == "tr-inductor" else "none"))
             self.trainer = Trainer(tpc, "/tmp/tr_bench_run", log=lambda *_: None, telemetry=False)

@@ -11,7 +11,6 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
