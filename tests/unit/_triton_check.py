@@ -39,6 +39,15 @@ def main(device: str) -> int:
                     failures.append(f"{op} gate={gate} {name}: {err:.2e}")
             if gate == 1.0 and not torch.equal(b[0], w):
                 failures.append(f"{op}: a skipped step changed w")
+            # the same update writing the 16-bit copy in the same pass equals update, then cast
+            if op.startswith("RANGE_UPDATE_WEIGHT_"):
+                c = [w.clone(), g.clone()] + [x.clone() for x in st]
+                # bf16 on the GPU; fp16 in the interpreter, whose bf16 conversion truncates
+                hd = torch.bfloat16 if dev.type == "cuda" else torch.float16
+                half = torch.full((n,), 7.0, dtype=hd, device=dev)
+                tri.fused_update(op, c[0], c[1], c[2:], h, wd, gt, half=half)
+                if not (torch.equal(c[0], b[0]) and torch.equal(half, b[0].to(hd))):
+                    failures.append(f"{op} gate={gate}: update + 16-bit copy differs from update, then cast")
     from tr_hydra.ops.range_ops import Segments
     sizes = [64 * k for k in (3, 1, 17, 5)]  # slots of four tensors, 64-element blocks
     seg = Segments.from_sizes(sizes, dev)
@@ -56,6 +65,12 @@ def main(device: str) -> int:
                 failures.append(f"LARS gate={gate} {name}: {err:.2e}")
         if not torch.allclose(na, nb):
             failures.append(f"LARS gate={gate}: norm records differ")
+        c = [w.clone(), g.clone(), m.clone()]
+        half = torch.zeros(total, dtype=torch.float16, device=dev)
+        tri.fused_update("RANGE_UPDATE_WEIGHT_LARS", c[0], c[1], [c[2]], h, s(5e-4), gt, segments=seg,
+                         norms=torch.zeros_like(nb), half=half)
+        if not (torch.equal(c[0], b[0]) and torch.equal(half, b[0].half())):
+            failures.append(f"LARS gate={gate}: update + 16-bit copy differs from update, then cast")
     for src_dt, dst_dt, scale in ((torch.float32, torch.float16, None), (torch.float16, torch.float32, 0.25),
                                   (torch.float32, torch.float32, 2.0)):
         x = torch.randn(n, device=dev).to(src_dt)
@@ -76,6 +91,7 @@ def main(device: str) -> int:
         if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):
             failures.append(f"ema warmup={warm}: max abs diff {(a - b).abs().max().item():.2e}")
     failures += check_nonfinite(dev)
+    failures += check_executor_fuses_update_and_cast(dev)
     print("\n".join(failures) or "ok")
     return 1 if failures else 0
 
@@ -107,6 +123,34 @@ def check_nonfinite(dev) -> list[str]:
         want = (float(any(bad)), float(expect_count), expect_mask, expect_first, [0] * len(sizes))
         if got != want:
             failures.append(f"nonfinite check step {t}: got {got}, want {want}")
+    return failures
+
+
+def check_executor_fuses_update_and_cast(dev) -> list[str]:
+    """Training with the fused kernels (the weight update writing the 16-bit compute copy, the
+    separate cast node skipped) ends where the plain-torch reference ends."""
+    import dataclasses
+    from tests.helpers import small_config
+    from tr_hydra.runtime.runner import Trainer
+    failures, states = [], {}
+    for kernels in ("torch", "triton"):
+        pc = small_config(device=dev.type, amp=True, amp_dtype="fp16", max_steps=4, train_size=64, val_size=32)
+        # deterministic on the GPU: cuDNN's run-to-run noise would swamp the kernels' rounding
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, kernels=kernels,
+                                                                 deterministic=dev.type == "cuda"))
+        tr = Trainer(pc, f"/tmp/tr_fuse_{kernels}", log=lambda *_: None, telemetry=False)
+        tr.fit()
+        if kernels == "triton" and len(tr.ex._fused_away) != 1:
+            failures.append(f"executor: expected the W->A cast fused into the update, got {tr.ex._fused_away}")
+        a = tr.arena
+        from tr_hydra.memory.regions import MATRIX_KINDS, series_span
+        states[kernels] = (a.span(*series_span("W", MATRIX_KINDS)).clone(),
+                           a.span(*series_span("A", MATRIX_KINDS)).clone())
+    (w0, a0), (w1, a1) = states["torch"], states["triton"]
+    if ((w0 - w1).norm() / w0.norm()).item() > (1e-4 if dev.type == "cuda" else 1e-5):
+        failures.append(f"executor: fused weights differ from the reference: {((w0 - w1).norm() / w0.norm()).item():.2e}")
+    if not torch.equal(a1, w1.to(a1.dtype)):
+        failures.append("executor: the 16-bit copy is not the cast of the updated weights")
     return failures
 
 

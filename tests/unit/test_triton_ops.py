@@ -12,8 +12,9 @@ pytest.importorskip("triton")
 
 
 def test_fused_kernels_match_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("_triton_check.py")), "cpu"],
-                         capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).parents[2])
+                         capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]

@@ -26,6 +26,7 @@ TRAFFIC = {
     "LARS": 4 * 3 + 4 * 2,             # plus the norm pass (w, g read once more)
     "cast fp32->bf16": 4 + 2,
     "cast bf16->fp32": 2 + 4,
+    "MOMENTUM + cast": 4 * 3 + 4 * 2 + 2,  # the update, and the 16-bit copy written in the same pass
     "EMA": 4 * 2 + 4,
     "NaN check": 4,
 }
@@ -111,6 +112,8 @@ def run(model_name: str = "resnet50", device: str = "cuda") -> dict:
     del wl, gl, ml
     half = torch.empty(n, dtype=torch.bfloat16, device=dev)
     record("cast fp32->bf16", _time(lambda: tri.fused_cast(half, w)))
+    record("MOMENTUM + cast", _time(lambda: tri.fused_update("RANGE_UPDATE_WEIGHT_MOMENTUM", w, g, [m], h, wd,
+                                                             gate, half=half)))
     record("cast bf16->fp32", _time(lambda: tri.fused_cast(g, half)))
     e = w.clone()
     record("EMA", _time(lambda: tri.fused_ema(e, w, s(0.9999), h.step, True)))
@@ -119,17 +122,16 @@ def run(model_name: str = "resnet50", device: str = "cuda") -> dict:
     found, count, first = s(0.0), s(0.0), s(0.0)
     record("NaN check", _time(lambda: tri.nonfinite_check(g, starts, flags, mask, found, count, first, h.step)))
     # launch configurations: elements per program and warps, for each kernel
-    starts3 = starts
     kinds = {
         "update": (TRAFFIC["MOMENTUM"], lambda blk, nw: tri._update_kernel[(-(-n // blk),)](
-            w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd, gate,
+            w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd, gate, w,
             RULE=tri.MOMENTUM, HAS_GATE=True, BLOCK=blk, num_warps=nw)),
         "cast": (TRAFFIC["cast fp32->bf16"], lambda blk, nw: tri._cast_kernel[(-(-n // blk),)](
             half, w, w, n, HAS_SCALE=False, BLOCK=blk, num_warps=nw)),
         "ema": (TRAFFIC["EMA"], lambda blk, nw: tri._ema_kernel[(-(-n // blk),)](
             e, w, h.momentum, h.step, n, WARMUP=True, BLOCK=blk, num_warps=nw)),
         "nonfinite": (TRAFFIC["NaN check"], lambda blk, nw: tri._nonfinite_kernel[(-(-n // blk),)](
-            g, starts3, flags, n, NREG=3, BLOCK=blk, num_warps=nw)),
+            g, starts, flags, n, NREG=3, BLOCK=blk, num_warps=nw)),
     }
     sweep = []
     for kind, (traffic, launch) in kinds.items():

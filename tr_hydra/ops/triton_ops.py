@@ -24,8 +24,9 @@ CODES = {"SGD": SGD, "MOMENTUM": MOMENTUM, "NESTEROV": NESTEROV, "ADAM": ADAM, "
 
 @triton.jit
 def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
-                   lr_ptr, mom_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr, wd_ptr, gate_ptr,
-                   RULE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+                   lr_ptr, mom_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr, wd_ptr, gate_ptr, a_ptr,
+                   RULE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_HALF: tl.constexpr = False):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -68,12 +69,16 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
         tl.store(m_ptr + offs, tl.where(keep > 0.5, m_new, m), mask=mask)
         tl.store(v_ptr + offs, tl.where(keep > 0.5, v_new, v), mask=mask)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # the unmodified w for a skipped step
-    tl.store(w_ptr + offs, tl.where(keep > 0.5, w_new, w), mask=mask)
+    w_out = tl.where(keep > 0.5, w_new, w)
+    tl.store(w_ptr + offs, w_out, mask=mask)
+    if HAS_HALF:  # the 16-bit compute copy (A) in the same pass: RANGE_CAST_FP32_TO_FP16 fused
+        tl.store(a_ptr + offs, w_out.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr, mom_ptr, wd_ptr, gate_ptr,
-                 SEG: tl.constexpr, ROWS: tl.constexpr, HAS_GATE: tl.constexpr):
+                 a_ptr, SEG: tl.constexpr, ROWS: tl.constexpr, HAS_GATE: tl.constexpr,
+                 HAS_HALF: tl.constexpr = False):
     """The LARS update once the per-tensor trust ratios are known. The span is seen as rows of
     SEG elements (slots are whole rows, so a row never straddles two tensors): each row looks
     up its tensor's ratio once through the compile-time block table."""
@@ -96,7 +101,10 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr
     if HAS_GATE:
         keep = 1.0 - tl.load(gate_ptr)
     tl.store(m_ptr + offs, tl.where(keep > 0.5, m_new, m), mask=mask)
-    tl.store(w_ptr + offs, tl.where(keep > 0.5, w_new, w), mask=mask)
+    w_out = tl.where(keep > 0.5, w_new, w)
+    tl.store(w_ptr + offs, w_out, mask=mask)
+    if HAS_HALF:
+        tl.store(a_ptr + offs, w_out.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -201,21 +209,23 @@ def _cfg(kind: str) -> dict:
     return {"BLOCK": block, "num_warps": warps}
 
 
-def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None) -> None:
-    """Drop-in for ``optimizers.apply_update``: SGD, momentum, Nesterov, Adam, AdamW, LARS."""
+def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None, half=None) -> None:
+    """Drop-in for ``optimizers.apply_update``: SGD, momentum, Nesterov, Adam, AdamW, LARS. With
+    ``half`` (a 16-bit span parallel to ``w``) the updated weights are also written there, in
+    the same pass: the update and the following fp32 -> 16-bit cast as one kernel."""
     if op.endswith("_LARS"):
-        _lars(w, g, states[0], h, wd, gate, segments, norms)
+        _lars(w, g, states[0], h, wd, gate, segments, norms, half)
         return
     rule = CODES[op.rsplit("_", 1)[1]]
     n = w.numel()
     m = states[0] if states else w
     v = states[1] if len(states) > 1 else w
     _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd,
-                             gate if gate is not None else h.lr,
-                             RULE=rule, HAS_GATE=gate is not None, **_cfg("update"))
+                             gate if gate is not None else h.lr, half if half is not None else w,
+                             RULE=rule, HAS_GATE=gate is not None, HAS_HALF=half is not None, **_cfg("update"))
 
 
-def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
+def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
     from tr_hydra.ops.range_ops import BLOCK as SEG_BLOCK
     # per-tensor norms: one pass over w and g for the per-block sums of squares (fp32 squares
     # summed in float64, as in the reference), then the reference's deterministic prefix sum
@@ -237,8 +247,9 @@ def _lars(w, g, m, h, wd, gate, segments, norms) -> None:
     rec[:, 1].copy_(g_norm)
     rec[:, 2].copy_(trust)
     _lars_kernel[(triton.cdiv(nb, rows),)](w, g, m, trust, segments.block_ids, nb, h.lr, h.momentum, wd,
-                                           gate if gate is not None else h.lr, SEG=SEG_BLOCK, ROWS=rows,
-                                           HAS_GATE=gate is not None, num_warps=LAUNCH["lars"][1])
+                                           gate if gate is not None else h.lr, half if half is not None else w,
+                                           SEG=SEG_BLOCK, ROWS=rows, HAS_GATE=gate is not None,
+                                           HAS_HALF=half is not None, num_warps=LAUNCH["lars"][1])
 
 
 def fused_cast(dst, src, scale=None) -> None:

@@ -125,6 +125,7 @@ class StepExecutor:
         if any(g is None for g in self._grad_views):
             raise ValueError("bind the model to the arena before building its executor")
         self.fused = self._fused_ops()
+        self._half_out, self._fused_away = self._update_cast_pairs(compiled.program.train)
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
@@ -143,6 +144,24 @@ class StepExecutor:
                 raise ConfigError(f"runtime.kernels=triton: Triton is not usable here ({type(e).__name__})") from None
             return None
         return triton_ops
+
+    def _update_cast_pairs(self, nodes) -> tuple[dict, set]:
+        """With the fused kernels, a weight update followed (later in the step) by the cast of
+        the same W span into its 16-bit copy becomes one pass: the update kernel writes both.
+        Returns {id(update node): 16-bit span} and the ids of the cast nodes this makes
+        redundant."""
+        if self.fused is None:
+            return {}, set()
+        half, away = {}, set()
+        for i, n in enumerate(nodes):
+            if not (n.op.startswith("RANGE_UPDATE_WEIGHT_") and self.fused.supports(n.op)):
+                continue
+            for c in nodes[i + 1:]:
+                if c.op == "RANGE_CAST_FP32_TO_FP16" and c.spans[1] == n.spans[0] and not c.arg("scale"):
+                    half[id(n)] = c.spans[0]  # by identity: the program's own node objects
+                    away.add(id(c))
+                    break
+        return half, away
 
     # ------------------------------------------------------------------ views
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +227,8 @@ class StepExecutor:
                 for v in views:  # SUM: the loss gradient already carries 1/world_size
                     all_reduce_sum(self.dist, v)
             return allreduce
+        if id(n) in self._fused_away:
+            return lambda ctx: None  # written by the weight update's kernel in the same pass
         if op in ("RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"):
             dst, src = self._span(n.spans[0]), self._span(n.spans[1])
             scale = self.s[n.arg("scale")] if n.arg("scale") else None
@@ -296,6 +317,8 @@ class StepExecutor:
         op, h = n.op, self.h
         if self.fused is not None and self.fused.supports(op):
             fused = self.fused
+            if id(n) in self._half_out:
+                extra["half"] = self._span(self._half_out[id(n)])
             return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate, **extra)
         return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
 
