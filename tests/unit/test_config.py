@@ -83,6 +83,8 @@ def test_imagefolder_without_images_is_a_config_error(tmp_path):
     ("data.num_threads=0", "data.num_threads"),
     ("ema_decay=1.5", "ema_decay"),
     ("trainer.label_smoothing=1.0", "trainer.label_smoothing"),
+    ("runtime.precompile=-1", "runtime.precompile"),
+    ("runtime.precompile=off", "runtime.precompile"),
 ])
 def test_value_ranges(override, needle):
     overrides = [override] + (["variants.lowres_epochs=1"] if "lowres" in override else [])

@@ -91,6 +91,7 @@ class RuntimeSpec:
     warmup_steps: int = 3
     channels_last: bool = True
     kernels: str = "auto"
+    precompile: str | int = "auto"
 
 
 @dataclass(frozen=True)
@@ -280,6 +281,10 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(trainer.loss_scale_growth_interval >= 1, "trainer.loss_scale_growth_interval", "must be >= 1")
     _check(trainer.sema_every >= 0, "trainer.sema_every", "must be >= 0")
     _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
+    _check(runtime.precompile == "auto" or (isinstance(runtime.precompile, int)
+                                            and not isinstance(runtime.precompile, bool)
+                                            and runtime.precompile >= 0),
+           "runtime.precompile", f"must be auto or a number of processes >= 0 (0: off), got {runtime.precompile!r}")
     _check(data.num_threads >= 1, "data.num_threads", "must be >= 1")
     if opt.name in ("adam", "adamw"):
         _check(opt.eps > 0, "optimizer.eps", f"optimizer={opt.name} needs eps > 0")

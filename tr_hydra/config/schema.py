@@ -170,6 +170,7 @@ class RuntimeConfig:
     warmup_steps: int = 3
     channels_last: bool = True
     kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
+    precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
 
 
 @dataclass

@@ -16,10 +16,15 @@ class CudaGraphs:
         self.train: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+        self.warmup_seconds: dict[str, float] = {}  # per variant: waiting for its compile, then warm-up
 
-    def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int) -> None:
+    def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
+                before_variant=None) -> None:
         """Warm up eagerly on a side stream (cuDNN autotuning, lazy init, Inductor compiles), then
-        capture. Warm-up changes weights and statistics, so the arena is restored afterwards."""
+        capture. Warm-up changes weights and statistics, so the arena is restored afterwards.
+        ``before_variant(name)`` runs before a variant's first warm-up step (the parallel
+        precompiler waits there for that variant's compile)."""
+        ready = before_variant or (lambda _name: None)
         t0 = time.perf_counter()
         ex, model = self.ex, self.ex.model
         # host copy: a device copy would add the arena's size to the peak memory
@@ -28,12 +33,20 @@ class CudaGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for v in train_variants:
+                t = time.perf_counter()
+                ready(v)
                 for _ in range(max(warmup_steps, 1)):
                     ex.train_step(v, "A")
+                side.synchronize()
+                self.warmup_seconds[v] = time.perf_counter() - t
             model.eval()
             with ex.folded():
                 for v in val_variants:
+                    t = time.perf_counter()
+                    ready(v)
                     ex.val_step(v, "A")
+                    side.synchronize()
+                    self.warmup_seconds[v] = time.perf_counter() - t
             model.train()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()

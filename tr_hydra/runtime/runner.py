@@ -93,7 +93,8 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True):
+    def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True,
+                 source: bool = True):
         from tr_hydra.runtime import distributed
         self.pc, self.run_dir = pc, Path(run_dir)
         self.data_wait = 0.0  # host seconds spent getting batches
@@ -136,10 +137,12 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             forward = torch.compile(model, dynamic=False)
+        self.inductor = forward is not model
+        self.precompile_summary: dict | None = None
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
                                compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
-        self.source = self._make_source()
+        self.source = self._make_source() if source else None  # no source: precompile children
         self.graphs = None
         self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
@@ -177,16 +180,42 @@ class Trainer:
         self.graphs = CudaGraphs(self.ex)
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
+        pre = self._precompiler(train_v, val_v)
         try:
-            self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps)
+            self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
+                                before_variant=pre.wait if pre else None)
         except torch.cuda.OutOfMemoryError:
             from tr_hydra.runtime.guards import MemoryPlanError, capture_oom_message
             self.graphs = None
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             raise MemoryPlanError(capture_oom_message(self.compiled, free, str(self.device))) from None
+        finally:
+            if pre:
+                self.precompile_summary = pre.summary()
+                pre.close()
         self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
                  f"in {self.graphs.capture_seconds:.1f}s")
+
+    def _precompiler(self, train_v: list[str], val_v: list[str]):
+        """Parallel compiles of every variant after the first (``runtime.precompile``), or None."""
+        from tr_hydra.runtime import precompile as pcm
+        from tr_hydra.runtime.guards import HEADROOM
+        if not self.inductor or not pcm.caches_enabled():
+            return None
+        order = ([(v, True) for v in train_v] + [(v, False) for v in val_v])[1:]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        want = pcm.requested_workers(self.pc.runtime.precompile, len(order) + 1, self.pc.world_size, cpus)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        n = pcm.memory_limited(want, free, self.compiled.plan.total_bytes, self.compiled.activation_estimate,
+                               HEADROOM)
+        if n == 0:
+            if want:
+                self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
+            return None
+        self.log(f"compiling {len(order) + 1} variants: {(train_v + val_v)[0]} here, "
+                 f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
+        return pcm.Precompiler(self.pc, order, n, log=self.log)
 
     def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
                   on_step=None, epoch: int = 0) -> int:

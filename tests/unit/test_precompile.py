@@ -1,0 +1,54 @@
+"""Parallel precompilation: how many children, and the child processes themselves (on CPU the
+children run the eager step; on the GPU, tests/gpu checks that the main process then loads
+Inductor's compiled code from the cache)."""
+from __future__ import annotations
+
+from tr_hydra.config.plan_config import plan_config_from
+from tr_hydra.runtime import precompile as pcm
+from tr_hydra.cli._common import compose
+
+from tests.helpers import small_config
+
+GiB = 2**30
+
+
+def test_requested_workers():
+    # six variants: at most five children (the main process compiles the first)
+    assert pcm.requested_workers("auto", 6, 1, 16) == 5
+    assert pcm.requested_workers("auto", 6, 1, 7) == 2     # a third of the cores
+    assert pcm.requested_workers("auto", 6, 1, 2) == 0
+    assert pcm.requested_workers("auto", 6, 2, 64) == 0    # ddp: the ranks compile side by side
+    assert pcm.requested_workers(3, 6, 2, 64) == 3         # unless asked for
+    assert pcm.requested_workers(10, 6, 1, 2) == 5
+    assert pcm.requested_workers(0, 6, 1, 16) == 0
+    assert pcm.requested_workers("auto", 1, 1, 16) == 0
+
+
+def test_memory_limit_counts_each_child_and_the_main_activations():
+    # child: (1 + 2) GiB * 1.1 + 0.75 GiB context = 4.05 GiB; the main process keeps 2.2 GiB
+    assert pcm.memory_limited(5, 20 * GiB, 1 * GiB, 2 * GiB, 1.1) == 4   # 17.8 / 4.05
+    assert pcm.memory_limited(3, 20 * GiB, 1 * GiB, 2 * GiB, 1.1) == 3
+    assert pcm.memory_limited(5, 6 * GiB, 1 * GiB, 2 * GiB, 1.1) == 0    # 3.8 GiB spare < 4.05
+    assert pcm.memory_limited(5, 2 * GiB, 1 * GiB, 2 * GiB, 1.1) == 0
+
+
+def test_default_is_auto_and_counts_are_accepted():
+    assert plan_config_from(compose([])).runtime.precompile == "auto"
+    assert plan_config_from(compose(["runtime.precompile=3"])).runtime.precompile == 3
+
+
+def test_children_run_each_variant_and_a_failure_is_reported_not_raised():
+    pc = small_config(train_size=80, val_size=40)  # train_base, train_last, val_base, val_last
+    logs = []
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False), ("no_such_variant", True)],
+                          workers=2, log=logs.append)
+    try:
+        for name in ("train_last", "val_base", "no_such_variant"):
+            pre.wait(name)
+        s = pre.summary()
+    finally:
+        pre.close()
+    assert s["train_last"]["ok"] and s["val_base"]["ok"], logs
+    assert "fxgraph_cache_hit" in s["train_last"]  # the child's counters came back
+    assert s["no_such_variant"]["ok"] is False
+    assert any("no_such_variant: parallel compile failed" in ln and "compiling it here" in ln for ln in logs)

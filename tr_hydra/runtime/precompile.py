@@ -1,0 +1,183 @@
+"""Compile the variants' steps in parallel processes before the warm-up.
+
+With Inductor, every variant (shape) of the step is a separate compile of the model's forward
+and backward: about a minute each for ResNet-50, one after another in the warm-up. Most of that
+is single-threaded host work. So, while the main process compiles its first variant itself, one
+child process per further variant builds the same plan and runs that variant's step once. That
+fills Inductor's on-disk caches (the FX graph and AOTAutograd caches); when the warm-up reaches
+the variant, the main process traces it and loads the compiled code instead of compiling it.
+
+Nothing the children compute is used: they only warm caches. A child that fails (out of memory,
+a compile error) costs nothing but its time; the main process then compiles that variant
+itself, as it would have without precompilation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspaces per child
+
+
+def requested_workers(spec, n_variants: int, world_size: int, cpus: int) -> int:
+    """Children wanted by ``runtime.precompile`` (``auto`` or a count; 0 is off), before the
+    device-memory limit: never more than the variants after the first; ``auto`` uses a third of
+    the cores (each compile is one busy host thread plus Triton's compile pool) and stays off
+    under ddp, where the ranks already compile side by side."""
+    if n_variants < 2:
+        return 0
+    if spec == "auto":
+        if world_size > 1:
+            return 0
+        return max(0, min(n_variants - 1, cpus // 3))
+    return max(0, min(n_variants - 1, int(spec)))
+
+
+def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: int, headroom: float) -> int:
+    """How many of ``workers`` fit in free device memory: each child holds a whole arena, the
+    step's activations and a CUDA context; the main process still needs its own activations."""
+    child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
+    spare = free_bytes - int(act_bytes * headroom)
+    return max(0, min(workers, spare // child)) if spare > 0 else 0
+
+
+def caches_enabled() -> bool:
+    try:
+        import torch._inductor.config as ic
+    except Exception:  # noqa: BLE001 - no Inductor: nothing to warm
+        return False
+    return bool(getattr(ic, "fx_graph_cache", False))
+
+
+@dataclass
+class _Child:
+    name: str
+    train: bool
+    proc: subprocess.Popen | None = None
+    log_path: str = ""
+    started: float = 0.0
+    seconds: float = 0.0
+    ok: bool | None = None
+    counters: dict = field(default_factory=dict)
+
+
+class Precompiler:
+    """Runs one child per variant (``workers`` at a time, in the order the warm-up needs them).
+    ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
+
+    def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print):
+        self.log = log
+        self.workers = workers
+        self.children = [_Child(n, t) for n, t in variants]
+        self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
+        self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
+        with open(self._pc_path, "wb") as f:
+            pickle.dump(pc, f)
+        # the child imports this package from wherever the parent did (the run's cwd may differ)
+        import tr_hydra
+        root = os.path.dirname(os.path.dirname(os.path.abspath(tr_hydra.__file__)))
+        self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+        self._queue = list(self.children)
+        self._fill()
+
+    def _fill(self) -> None:
+        running = sum(1 for c in self.children if c.proc is not None and c.ok is None)
+        while self._queue and running < self.workers:
+            c = self._queue.pop(0)
+            c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
+            with open(c.log_path, "w") as out:
+                c.proc = subprocess.Popen(
+                    [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, c.name,
+                     "train" if c.train else "val"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
+            c.started = time.perf_counter()
+            running += 1
+
+    def _reap(self, c: _Child, block: bool) -> bool:
+        if c.proc is None or c.ok is not None:
+            return c.ok is not None
+        rc = c.proc.wait() if block else c.proc.poll()
+        if rc is None:
+            return False
+        c.seconds = time.perf_counter() - c.started
+        c.ok = rc == 0
+        text = open(c.log_path, errors="replace").read()
+        for line in reversed(text.splitlines()):
+            if line.startswith("{"):
+                try:
+                    c.counters = json.loads(line)
+                except ValueError:
+                    pass
+                break
+        if c.ok:
+            self.log(f"  {c.name}: compiled in a parallel process in {c.seconds:.0f}s")
+        else:
+            last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), f"exit status {rc}")
+            self.log(f"  {c.name}: parallel compile failed ({last.strip()[:160]}); compiling it here")
+        return True
+
+    def wait(self, name: str) -> None:
+        """Block until ``name``'s child is done (starting queued children as others finish)."""
+        target = next((c for c in self.children if c.name == name), None)
+        if target is None:
+            return
+        while True:
+            for c in self.children:
+                self._reap(c, block=False)
+            self._fill()
+            if target.ok is not None:
+                return
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for c in self.children:
+            if c.proc is not None and c.ok is None and c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+        self._queue = []
+        self._tmp.cleanup()
+
+    def summary(self) -> dict:
+        return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1), **c.counters} for c in self.children}
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+    out = {}
+    for group, keys in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
+                        ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"))):
+        for k in keys:
+            out[k] = int(counters[group][k])
+    return out
+
+
+def _child_main(argv: list[str]) -> int:
+    """One variant's step, once, in a fresh process: the compiles land in the shared caches."""
+    path, name, split = argv
+    with open(path, "rb") as f:
+        pc = pickle.load(f)
+    import torch
+    from tr_hydra.runtime.runner import Trainer
+    with tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_run_") as run_dir:
+        tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False)
+        if split == "train":
+            tr.ex.train_step(name, "A")
+        else:
+            tr.model.eval()
+            with tr.ex.folded():
+                tr.ex.val_step(name, "A")
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize(tr.device)
+    print(json.dumps(_counters()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
