@@ -146,12 +146,15 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
     for m in res["modes"]:
         assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
+    assert res["modes"][1]["img_per_sec_single_buffer_median"] > 0  # tr_hydra timed both ways
+    assert "tr, timed as one step at a time on buffer A" in out.stdout
     mix = res["epoch_mix"]
     assert list(mix["variants"]) == ["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base"]
     assert list(mix["modes"]) == ["tr", "eager"]
     for r in mix["modes"].values():
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
         assert set(r["step_ms_by_variant"]) == set(mix["variants"])
+    assert set(mix["modes"]["eager"]["first_step_seconds_by_variant"]) == set(mix["variants"])
     # the profiler pass: per-mode time by group, the convolutions among the top operators
     assert [p["mode"] for p in res["profile"]] == ["eager", "tr"] and "kernels per step" in out.stdout
     for p in res["profile"]:

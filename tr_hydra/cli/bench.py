@@ -113,6 +113,7 @@ class Mode:
         self.first_seconds = time.perf_counter() - t0
         self.peak_bytes = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
         self.times: list[float] = []
+        self.other_times: list[float] = []
 
     def run(self, steps: int) -> None:
         """``steps`` training steps. tr_hydra runs them as one schedule, as in training: the
@@ -132,12 +133,25 @@ class Mode:
         self.run(steps)
         _sync(self.device)
         self.times.append(steps * self.batch / (time.perf_counter() - t0))
+        if self.trainer is not None:  # tr_hydra, also timed the other way (a diagnostic)
+            self.single_buffer = not self.single_buffer
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.run(steps)
+            _sync(self.device)
+            self.other_times.append(steps * self.batch / (time.perf_counter() - t0))
+            self.single_buffer = not self.single_buffer
 
     def record(self) -> dict:
         r = self.times
-        return {"mode": self.name, "img_per_sec_median": statistics.median(r), "img_per_sec_all": r,
-                "spread": (max(r) - min(r)) / statistics.median(r) if r else 0.0,
-                "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds}
+        out = {"mode": self.name, "img_per_sec_median": statistics.median(r), "img_per_sec_all": r,
+               "spread": (max(r) - min(r)) / statistics.median(r) if r else 0.0,
+               "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds}
+        if self.other_times:
+            key = "img_per_sec_ab_schedule" if self.single_buffer else "img_per_sec_single_buffer"
+            out[key + "_median"] = statistics.median(self.other_times)
+            out[key + "_all"] = self.other_times
+        return out
 
 
 KERNEL_GROUPS = (  # first match wins: where a step's device time goes
@@ -292,8 +306,11 @@ def mix_tr(pc, device, repeat: int) -> dict:
             e += 1
         k = j
     _sync(device)
+    g = tr.graphs
     return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
-            "step_ms_by_variant": per_variant}
+            "step_ms_by_variant": per_variant,
+            "warmup_seconds_by_variant": dict(g.warmup_seconds) if g is not None else {},
+            "precompile": tr.precompile_summary}
 
 
 def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
@@ -338,9 +355,12 @@ def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
         else:
             model.eval()
             fwd(x)
+    first = {}
     for v in pc.variants:
+        t = time.perf_counter()
         step(v.name, v.train)
-    _sync(device)
+        _sync(device)
+        first[v.name] = time.perf_counter() - t
     ready = time.perf_counter() - t0
 
     def run_one(v, k):
@@ -353,7 +373,7 @@ def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
         step(v, split == "train")
     _sync(device)
     return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
-            "step_ms_by_variant": per_variant}
+            "step_ms_by_variant": per_variant, "first_step_seconds_by_variant": first}
 
 
 def epoch_mix(pc, device, modes=None, repeat: int = 5) -> dict:
@@ -397,6 +417,11 @@ def table(records: list[dict]) -> str:
                      f"{ratio:>15.3f} {r['peak_bytes'] / 2**20:>9,.0f} {r['first_step_seconds']:>13.1f}")
     if best:
         lines.append(f"best PyTorch mode: {best['mode']}")
+    for r in records:
+        for key, what in (("img_per_sec_single_buffer_median", "one step at a time on buffer A"),
+                          ("img_per_sec_ab_schedule_median", "A/B schedules")):
+            if key in r:
+                lines.append(f"{r['mode']}, timed as {what}: {r[key]:,.1f} img/s")
     return "\n".join(lines)
 
 

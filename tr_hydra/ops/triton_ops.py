@@ -121,6 +121,32 @@ def _block_sumsq_kernel(w_ptr, g_ptr, ow_ptr, og_ptr, n_blocks, SEG: tl.constexp
 
 
 @triton.jit
+def _lars_trust_kernel(sw_ptr, sg_ptr, ends_ptr, trust_ptr, rec_ptr, rec_stride, tc_ptr, wd_ptr, eps_ptr,
+                       RB: tl.constexpr):
+    """One program per tensor: its norms from the float64 block sums of squares (summed in a
+    fixed order, so runs are bit-identical), its trust ratio, and its norm record."""
+    i = tl.program_id(0)
+    end = tl.load(ends_ptr + i) + 1
+    start = tl.load(ends_ptr + i - 1, mask=i > 0, other=-1) + 1
+    acc_w = tl.zeros([RB], dtype=tl.float64)
+    acc_g = tl.zeros([RB], dtype=tl.float64)
+    for k in range(start, end, RB):
+        offs = k + tl.arange(0, RB)
+        m = offs < end
+        acc_w += tl.load(sw_ptr + offs, mask=m, other=0.0)
+        acc_g += tl.load(sg_ptr + offs, mask=m, other=0.0)
+    w_norm = tl.sqrt(tl.sum(acc_w, axis=0).to(tl.float32))
+    g_norm = tl.sqrt(tl.sum(acc_g, axis=0).to(tl.float32))
+    wd = tl.load(wd_ptr)
+    trust = tl.load(tc_ptr) * w_norm / (g_norm + wd * w_norm + tl.load(eps_ptr))
+    trust = tl.where((w_norm > 0) & (g_norm > 0), trust, 1.0)
+    tl.store(trust_ptr + i, trust)
+    tl.store(rec_ptr + i * rec_stride, w_norm)
+    tl.store(rec_ptr + i * rec_stride + 1, g_norm)
+    tl.store(rec_ptr + i * rec_stride + 2, trust)
+
+
+@triton.jit
 def _cast_kernel(dst_ptr, src_ptr, scale_ptr, n, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -228,8 +254,8 @@ def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=N
 def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
     from tr_hydra.ops.range_ops import BLOCK as SEG_BLOCK
     # per-tensor norms: one pass over w and g for the per-block sums of squares (fp32 squares
-    # summed in float64, as in the reference), then the reference's deterministic prefix sum
-    # over the blocks; the trust ratios and the N-region records are [tensors]-sized
+    # summed in float64, as in the reference), then one program per tensor sums its blocks in a
+    # fixed order and writes its trust ratio and N-region record; then the update pass
     nb = w.numel() // SEG_BLOCK
     sums = getattr(segments, "_block_sums", None)
     if sums is None or sums.shape[1] != nb:
@@ -238,14 +264,13 @@ def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
     rows = LAUNCH["lars"][0] // SEG_BLOCK
     _block_sumsq_kernel[(triton.cdiv(nb, rows),)](w, g, sums[0], sums[1], nb, SEG=SEG_BLOCK, ROWS=rows,
                                                   num_warps=LAUNCH["lars"][1])
-    w_norm = segments.reduce_blocks(sums[0]).sqrt()
-    g_norm = segments.reduce_blocks(sums[1]).sqrt()
-    trust = h.trust_coefficient * w_norm / (g_norm + wd * w_norm + h.eps)
-    trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+    trust = getattr(segments, "_trust", None)
+    if trust is None:
+        trust = torch.empty(segments.count, dtype=torch.float32, device=w.device)
+        segments._trust = trust
     rec = norms.view(segments.count, -1)
-    rec[:, 0].copy_(w_norm)
-    rec[:, 1].copy_(g_norm)
-    rec[:, 2].copy_(trust)
+    _lars_trust_kernel[(segments.count,)](sums[0], sums[1], segments.ends, trust, rec, rec.stride(0),
+                                          h.trust_coefficient, wd, h.eps, RB=4096, num_warps=8)
     _lars_kernel[(triton.cdiv(nb, rows),)](w, g, m, trust, segments.block_ids, nb, h.lr, h.momentum, wd,
                                            gate if gate is not None else h.lr, half if half is not None else w,
                                            SEG=SEG_BLOCK, ROWS=rows, HAS_GATE=gate is not None,
