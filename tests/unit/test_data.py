@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tr_hydra.config.plan_config import DataSpec
-from tr_hydra.data.dali_source import DaliSource, DataError
+from tr_hydra.config.plan_config import DataSpec, TrainerSpec
+from tr_hydra.data.dali_source import DaliSource, DataError, dali_threads
 from tr_hydra.data.index import epoch_order
 from tr_hydra.errors import ConfigError
 from tr_hydra.runtime.runner import Trainer, epoch_schedule
@@ -228,3 +228,36 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
     b = src.batch("train", 2, 4, 4, 16, epoch=1)  # out of sequence: a new stream from batch 2
     assert src._streams["train"] is not first and src._streams["train"].first == 2
     assert np.array_equal(_dense(b), _dense(ref._decode("train", 2, 4, 4, 16, 1)))
+
+
+def test_next_epoch_stream_is_built_ahead_and_equals_the_synchronous_decode(tmp_path):
+    """While an epoch runs, the next epoch's stream is built on a background thread; its
+    batches are exactly that epoch's order. No stream is built past the last epoch, and a guess
+    that does not match the request (another resolution) is dropped."""
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
+    pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, train=13, val=13), trainer=TrainerSpec(epochs=3))
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    for epoch in (0, 1, 2):
+        for i, size in ((0, 4), (1, 4), (2, 4), (3, 1)):
+            got = src.batch("train", i, 4, size, 16, epoch=epoch)
+            assert np.array_equal(_dense(got), _dense(ref._decode("train", i, 4, size, 16, epoch)))
+            if i == 0 and epoch < 2:
+                assert src._ahead["train"].key == (16, 4, epoch + 1)
+        assert ("train" in src._ahead) == (epoch < 2)
+    assert src.ahead_used == 2
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    src.batch("train", 0, 4, 4, 16, epoch=0)
+    got = src.batch("train", 0, 4, 4, 12, epoch=1)  # not the guessed resolution: built in place
+    assert src.ahead_used == 0 and src._ahead["train"].key == (12, 4, 2)
+    assert np.array_equal(_dense(got), _dense(ref._decode("train", 0, 4, 4, 12, 1)))
+
+
+def test_dali_threads_auto_shares_the_cores_among_local_ranks(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert dali_threads(3) == 3
+    assert dali_threads("auto", 1, cpus=16) == 16
+    assert dali_threads("auto", 2, cpus=16) == 8
+    assert dali_threads("auto", 4, cpus=2) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's figure wins over the fallback
+    assert dali_threads("auto", 8, cpus=16) == 4

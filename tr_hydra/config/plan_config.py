@@ -63,7 +63,7 @@ class DataSpec:
     flip: bool = True
     cache_dir: str | None = None
     skip_corrupt: bool = False
-    num_threads: int = 2
+    num_threads: str | int = "auto"
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,9 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
                                             and not isinstance(runtime.precompile, bool)
                                             and runtime.precompile >= 0),
            "runtime.precompile", f"must be auto or a number of processes >= 0 (0: off), got {runtime.precompile!r}")
-    _check(data.num_threads >= 1, "data.num_threads", "must be >= 1")
+    _check(data.num_threads == "auto" or (isinstance(data.num_threads, int) and not isinstance(data.num_threads, bool)
+                                          and data.num_threads >= 1),
+           "data.num_threads", f"must be auto or >= 1, got {data.num_threads!r}")
     if opt.name in ("adam", "adamw"):
         _check(opt.eps > 0, "optimizer.eps", f"optimizer={opt.name} needs eps > 0")
     _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")

@@ -130,7 +130,7 @@ class DataConfig:
     flip: bool = True            # random horizontal flip when augmenting        # validation: resize the shorter side to res / val_crop, center crop
     cache_dir: Optional[str] = None
     skip_corrupt: bool = False
-    num_threads: int = 2
+    num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
 
 
 @dataclass

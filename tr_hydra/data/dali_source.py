@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,17 @@ def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
 DEPTH = 2  # batches DALI prepares ahead of the one being consumed
 
 
+def dali_threads(spec, local_ranks: int = 1, cpus: int | None = None) -> int:
+    """``data.num_threads``: a count, or ``auto``: the cores this process may use, shared with
+    the other ranks on the host (at most ``local_ranks`` of them), at least one."""
+    if spec != "auto":
+        return max(1, int(spec))
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", local_ranks) or local_ranks)
+    return max(1, cpus // max(1, local))
+
+
 class _Stream:
     """One split's full batches in order from ``start``, through a pipeline with DALI's pipelined
     asynchronous executor, ``DEPTH`` batches ahead of the one consumed. Files are read by DALI's
@@ -91,10 +103,10 @@ class _Stream:
     to its first (validation passes repeat; a train stream ends with its epoch); a partial last
     batch is not part of the stream."""
 
-    def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int):
+    def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int, order=None):
         self.src, self.split, self.key, self.batch = src, split, key, batch
         res, max_batch, epoch = key
-        self.order = src.order(split, epoch)
+        self.order = src.order(split, epoch) if order is None else order
         self.count = len(self.order) // batch   # full batches
         self.first = self.next = start          # the index the next run() returns
         batches = [src._replace_bad(split, self.order[i * batch:(i + 1) * batch]) for i in range(start, self.count)]
@@ -127,6 +139,28 @@ class _Stream:
         return out[0], ids, self._replaced[k]
 
 
+class _Ahead:
+    """The next epoch's training stream, built on a background thread while this epoch runs
+    (a pipeline build, the file reader's list and the decoder's set-up take about a second, which
+    would otherwise stall the first step of every epoch)."""
+
+    def __init__(self, key: tuple, build):
+        self.key, self.stream, self.error = key, None, None
+        self._thread = threading.Thread(target=self._run, args=(build,), daemon=True,
+                                        name="tr_hydra-dali-ahead")
+        self._thread.start()
+
+    def _run(self, build) -> None:
+        try:
+            self.stream = build()
+        except BaseException as e:  # noqa: BLE001 - reported by taking the synchronous path
+            self.error = e
+
+    def take(self) -> "_Stream | None":
+        self._thread.join()
+        return self.stream
+
+
 class DaliSource:
     def __init__(self, pc: PlanConfig, device: torch.device, out_dtype: torch.dtype,
                  shard_id: int = 0, num_shards: int = 1, log=print):
@@ -144,6 +178,8 @@ class DaliSource:
         self.dali_dtype = torch.float16 if self.half else torch.float32
         self._pipes: dict[tuple, object] = {}    # synchronous pipelines (fallback, bad-file search)
         self._streams: dict[str, _Stream] = {}   # one asynchronous stream per split
+        self._ahead: dict[str, _Ahead] = {}      # the next epoch's stream, being built
+        self.ahead_used = 0                      # epochs whose stream was ready in advance
         self._orders: dict[tuple[str, int], np.ndarray] = {}
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
@@ -170,7 +206,7 @@ class DaliSource:
         augment = split == "train" and d.augment
         dtype = types.FLOAT16 if self.half else types.FLOAT
 
-        @pipeline_def(batch_size=max_batch, num_threads=max(1, d.num_threads),
+        @pipeline_def(batch_size=max_batch, num_threads=dali_threads(d.num_threads, self.num_shards),
                       device_id=(self.device.index or 0) if gpu else None,
                       seed=(self.pc.seed * 7919 + epoch * 104729 + res * 31 + (split == "val")) % (2**31),
                       prefetch_queue_depth=DEPTH if stream else 1,
@@ -246,7 +282,9 @@ class DaliSource:
         key = (res, batch, epoch if split == "train" else 0)
         st = self._streams.get(split)
         if st is None or st.key != key or st.next != index:
-            st = self._streams[split] = _Stream(self, split, key, batch, index)
+            st = self._streams[split] = self._stream_ready(split, key, index) or _Stream(self, split, key, batch, index)
+            if split == "train":
+                self._build_ahead(split, key, batch)
         try:
             with native_stderr_kept_on_success():
                 images, ids, replaced = st.run()
@@ -261,6 +299,28 @@ class DaliSource:
         self.skipped += replaced
         labels = torch.from_numpy(self.index[split].labels[ids].copy())
         return DaliBatch(images, labels, self.dali_dtype)
+
+    def _stream_ready(self, split: str, key: tuple, index: int) -> "_Stream | None":
+        """The stream built ahead for this (resolution, batch, epoch), if that is what is asked
+        for from its first batch; otherwise None (the guess is dropped)."""
+        ahead = self._ahead.pop(split, None)
+        if ahead is None or ahead.key != key or index != 0:
+            return None
+        st = ahead.take()
+        if st is not None:
+            self.ahead_used += 1
+        return st
+
+    def _build_ahead(self, split: str, key: tuple, batch: int) -> None:
+        """Start building the next epoch's stream, guessing it keeps this resolution and batch
+        (a wrong guess, at the switch from low to full resolution, costs one unused build)."""
+        res, max_batch, epoch = key
+        if epoch + 1 >= self.pc.trainer.epochs:
+            return
+        nkey = (res, max_batch, epoch + 1)
+        order = epoch_order(len(self.index[split]), self.pc.seed, epoch + 1,
+                            self.pc.data.shuffle and split == "train", self.shard_id, self.num_shards)
+        self._ahead[split] = _Ahead(nkey, lambda: _Stream(self, split, nkey, batch, 0, order=order))
 
     def _decode(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
         ids = self.order(split, epoch)[index * batch:index * batch + size]
