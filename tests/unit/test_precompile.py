@@ -52,3 +52,22 @@ def test_children_run_each_variant_and_a_failure_is_reported_not_raised():
     assert "fxgraph_cache_hit" in s["train_last"]  # the child's counters came back
     assert s["no_such_variant"]["ok"] is False
     assert any("no_such_variant: parallel compile failed" in ln and "compiling it here" in ln for ln in logs)
+
+
+def test_children_of_a_ddp_rank_join_no_process_group(monkeypatch):
+    """Under torchrun the children inherit RANK, WORLD_SIZE and MASTER_ADDR; they must build the
+    rank's plan (its world size) without joining the group, or they would hang it."""
+    import dataclasses
+    from tr_hydra.config.plan_config import DistSpec
+    for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "1")):
+        monkeypatch.setenv(k, v)
+    pc = dataclasses.replace(small_config(train_size=80, val_size=40), world_size=2,
+                             dist=DistSpec(mode="ddp", timeout_s=20))
+    pre = pcm.Precompiler(pc, [("val_base", False)], workers=1, log=lambda *_: None)
+    try:
+        pre.wait("val_base")
+        s = pre.summary()
+    finally:
+        pre.close()
+    assert s["val_base"]["ok"], s

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspaces per child
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
 def requested_workers(spec, n_variants: int, world_size: int, cpus: int) -> int:
@@ -71,8 +73,9 @@ class Precompiler:
     """Runs one child per variant (``workers`` at a time, in the order the warm-up needs them).
     ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
 
-    def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print):
+    def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0):
         self.log = log
+        self.device_index = device_index
         self.workers = workers
         self.children = [_Child(n, t) for n, t in variants]
         self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
@@ -82,8 +85,8 @@ class Precompiler:
         # the child imports this package from wherever the parent did (the run's cwd may differ)
         import tr_hydra
         root = os.path.dirname(os.path.dirname(os.path.abspath(tr_hydra.__file__)))
-        self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}  # a child joins no group
+        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
         self._queue = list(self.children)
         self._fill()
 
@@ -95,7 +98,7 @@ class Precompiler:
             with open(c.log_path, "w") as out:
                 c.proc = subprocess.Popen(
                     [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, c.name,
-                     "train" if c.train else "val"],
+                     "train" if c.train else "val", str(self.device_index)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
             c.started = time.perf_counter()
             running += 1
@@ -160,11 +163,17 @@ def _counters() -> dict:
 
 def _child_main(argv: list[str]) -> int:
     """One variant's step, once, in a fresh process: the compiles land in the shared caches."""
-    path, name, split = argv
+    path, name, split, index = argv
     with open(path, "rb") as f:
         pc = pickle.load(f)
+    import dataclasses
     import torch
     from tr_hydra.runtime.runner import Trainer
+    # under ddp: the same plan (world size included, so the same graphs) on the rank's own
+    # device, with no process group; the children only compile
+    pc = dataclasses.replace(pc, dist=dataclasses.replace(pc.dist, mode="none"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(index))
     with tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_run_") as run_dir:
         tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False)
         if split == "train":

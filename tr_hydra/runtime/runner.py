@@ -215,7 +215,7 @@ class Trainer:
             return None
         self.log(f"compiling {len(order) + 1} variants: {(train_v + val_v)[0]} here, "
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
-        return pcm.Precompiler(self.pc, order, n, log=self.log)
+        return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0)
 
     def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
                   on_step=None, epoch: int = 0) -> int:
