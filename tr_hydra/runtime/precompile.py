@@ -176,6 +176,9 @@ def _child_main(argv: list[str]) -> int:
         torch.cuda.set_device(int(index))
     with tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_run_") as run_dir:
         tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False)
+        # cuDNN's algorithm search is the main process's to do (it times on the shared GPU); the
+        # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
+        torch.backends.cudnn.benchmark = False
         if split == "train":
             tr.ex.train_step(name, "A")
         else:
