@@ -310,7 +310,7 @@ def main(argv=None) -> int:
                "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0}
         if tr is not None:
             rec["arena_bytes"] = tr.compiled.plan.total_bytes
-            rec["predicted_bytes"] = tr.compiled.plan.total_bytes + tr.compiled.activation_estimate
+            rec["predicted_bytes"] = tr.compiled.predicted_need
         results.append(rec)
         print(json.dumps(rec), flush=True)
         del step, tr

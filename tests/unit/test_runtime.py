@@ -243,3 +243,17 @@ def test_gradient_copy_takes_flat_views_only_for_matching_layouts():
     dst = torch.empty_like(cl3)
     torch._foreach_copy_([_flat(dst)], [_flat(cl3.clone())])
     assert torch.equal(dst, w3)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_predicted_need_counts_the_gradients_the_backward_returns(tmp_path, amp):
+    """autograd.grad returns one gradient per parameter in its leaf's dtype (16-bit matrices,
+    fp32 BN under AMP), all alive before the copy into the arena: the prediction counts them,
+    with no more than each slot's padding on top."""
+    tr = _trainer(tmp_path, amp=amp)
+    params = list(tr.model.parameters())
+    returned = sum(p.numel() * p.element_size() for p in params)
+    assert any(p.dtype == torch.bfloat16 for p in params) == amp
+    c = tr.compiled
+    assert returned <= c.gradient_transient <= returned + 2 * (255 + 16) * len(params)  # slot padding
+    assert c.predicted_need == c.plan.total_bytes + c.activation_estimate + c.gradient_transient

@@ -43,7 +43,9 @@ def plan_table(compiled) -> str:
     lines += ["", f"arena total: {total:,} bytes ({_mib(total)}) in {len(plan.dtensors)} DTensors",
               f"activation pool estimate (largest train variant, shared graph pool): "
               f"{_mib(compiled.activation_estimate)}",
-              f"predicted device need: {_mib(total + compiled.activation_estimate)}", "",
+              f"gradients returned by the backward, before their copy into the arena: "
+              f"{_mib(compiled.gradient_transient)}",
+              f"predicted device need: {_mib(compiled.predicted_need)}", "",
               compiled.program.describe()]
     return "\n".join(lines)
 
@@ -54,6 +56,8 @@ def plan_json(compiled) -> dict:
         "total_bytes": plan.total_bytes,
         "fingerprint": pc.fingerprint(),
         "activation_estimate_bytes": compiled.activation_estimate,
+        "gradient_transient_bytes": compiled.gradient_transient,
+        "predicted_need_bytes": compiled.predicted_need,
         "regions": [{"index": int(r), "name": r.name, "base_offset": plan.region_base[r],
                      "total_bytes": plan.region_size[r], "series": series_of(r),
                      "populated": plan.is_region_populated(r)} for r in ALL_REGIONS],

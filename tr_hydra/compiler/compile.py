@@ -34,6 +34,21 @@ class Compiled:
         """Bytes autograd will save in the largest training variant (the shared graph pool)."""
         return max((r.saved_activation_bytes for r in self.shapes.values()), default=0)
 
+    @property
+    def gradient_transient(self) -> int:
+        """Bytes of the gradients the backward returns (``torch.autograd.grad``: one per
+        parameter, in its leaf's dtype), alive together before they are copied into the arena:
+        the 16-bit matrix and fp32 BN/bias gradients under AMP, all fp32 otherwise."""
+        from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, series_span
+        spans = ([series_span("G16", MATRIX_KINDS), series_span("G", BIAS_KINDS)] if self.config.amp
+                 else [series_span("G", PARAM_KINDS)])
+        return sum(self.plan.region_range(a, b)[1] for a, b in spans)
+
+    @property
+    def predicted_need(self) -> int:
+        """Arena + saved activations + the backward's gradients before their copy."""
+        return self.plan.total_bytes + self.activation_estimate + self.gradient_transient
+
 
 def twin_series(pc: PlanConfig) -> tuple[str, ...]:
     """Series twinned with the W masters, in the order they are registered."""

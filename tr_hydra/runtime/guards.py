@@ -25,8 +25,8 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     """Refuse, before allocating, a plan whose predicted need exceeds free device memory, naming
     the figures and the largest batch that fits."""
     pc = compiled.config
-    arena, act = compiled.plan.total_bytes, compiled.activation_estimate
-    need = int((arena + act) * HEADROOM)
+    arena, act, grads = compiled.plan.total_bytes, compiled.activation_estimate, compiled.gradient_transient
+    need = int((arena + act + grads) * HEADROOM)
     if need <= free_bytes:
         return
     batch = pc.batch_size
@@ -38,7 +38,8 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
               + ("" if pc.amp else ", or amp=true"))
     raise MemoryPlanError(
         f"variants.batch_size={batch}: the plan needs about {need / GiB:.2f} GiB on {device} "
-        f"(arena {arena / GiB:.2f} GiB + activations {act / GiB:.2f} GiB + 10% headroom) but only "
+        f"(arena {arena / GiB:.2f} GiB + activations {act / GiB:.2f} GiB + gradients before their copy "
+        f"{grads / GiB:.2f} GiB + 10% headroom) but only "
         f"{free_bytes / GiB:.2f} GiB are free; {advice}")
 
 
