@@ -48,6 +48,8 @@ def main(device: str) -> int:
                 tri.fused_update(op, c[0], c[1], c[2:], h, wd, gt, half=half)
                 if not (torch.equal(c[0], b[0]) and torch.equal(half, b[0].to(hd))):
                     failures.append(f"{op} gate={gate}: update + 16-bit copy differs from update, then cast")
+            # reading the 16-bit gradients directly (and unscaling them) equals cast, then update
+            failures += _check_grad16(op, w, g, st, h, wd, gt, dev)
     from tr_hydra.ops.range_ops import Segments
     sizes = [64 * k for k in (3, 1, 17, 5)]  # slots of four tensors, 64-element blocks
     seg = Segments.from_sizes(sizes, dev)
@@ -65,6 +67,7 @@ def main(device: str) -> int:
                 failures.append(f"LARS gate={gate} {name}: {err:.2e}")
         if not torch.allclose(na, nb):
             failures.append(f"LARS gate={gate}: norm records differ")
+        failures += _check_grad16("RANGE_UPDATE_WEIGHT_LARS", w, g, [m], h, s(5e-4), gt, dev, segments=seg)
         c = [w.clone(), g.clone(), m.clone()]
         half = torch.zeros(total, dtype=torch.float16, device=dev)
         tri.fused_update("RANGE_UPDATE_WEIGHT_LARS", c[0], c[1], [c[2]], h, s(5e-4), gt, segments=seg,
@@ -96,12 +99,77 @@ def main(device: str) -> int:
     return 1 if failures else 0
 
 
+def _check_grad16(op, w, g, st, h, wd, gt, dev, segments=None) -> list[str]:
+    """The update fed the 16-bit gradients (times an unscale factor, or not) must be bit-equal
+    to the 16-bit -> fp32 cast followed by the update on the fp32 gradients."""
+    failures = []
+    for dt in ((torch.bfloat16, torch.float16) if dev.type == "cuda" else (torch.float16,)):
+        for scale in (None, 0.25):
+            sc = None if scale is None else torch.tensor([scale], device=dev)
+            g16 = (g * 64).to(dt)
+            g32 = torch.empty(g.numel(), device=dev)
+            ref.cast(g32, g16, sc)
+            extra = {} if segments is None else {"segments": segments}
+            a = [w.clone()] + [x.clone() for x in st]
+            b = [w.clone()] + [x.clone() for x in st]
+            na, nb = (torch.zeros(segments.count * 128, device=dev), torch.zeros(segments.count * 128, device=dev)) \
+                if segments is not None else (None, None)
+            tri.fused_update(op, a[0], g32, a[1:], h, wd, gt, **extra, **({"norms": na} if na is not None else {}))
+            tri.fused_update(op, b[0], g16, b[1:], h, wd, gt, g_scale=sc, **extra,
+                             **({"norms": nb} if nb is not None else {}))
+            if not all(torch.equal(x, y) for x, y in zip(a, b)) or (na is not None and not torch.equal(na, nb)):
+                failures.append(f"{op} gate={gt is not None and gt.item()} {dt} scale={scale}: "
+                                f"reading the 16-bit gradients differs from cast, then update")
+    return failures
+
+
+def _check_fused_skip(tr) -> list[str]:
+    """An inf in one 16-bit matrix gradient (the fp32 twins are not written any more) is
+    caught by the check: the update is skipped, fp16's loss scale backs off, the region is
+    named. The gradient regions' norm in telemetry is that of the gradients the update read."""
+    from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, series_span
+    from tr_hydra.telemetry.tensorboard import SpanNorms
+    failures = []
+    ex, a = tr.ex, tr.arena
+    ex.train_step("train_base", "A")
+    g16 = a.span(*series_span("G16", MATRIX_KINDS))
+    gb = a.span(*series_span("G", BIAS_KINDS))
+    want = (g16.float().norm() ** 2 + gb.norm() ** 2).sqrt().item()
+    got = SpanNorms(a, ex.grads_read_16bit).read()["G"]
+    if abs(got - want) > 1e-5 * want:
+        failures.append(f"telemetry: gradient norm {got} is not that of the gradients the update read ({want})")
+    scale = ex.scalar("loss_scale")
+    # a backward-free way to poison exactly one 16-bit gradient: run the ops after the backward
+    ex.train_step("train_base", "A")
+    w_before = a.span(*series_span("W", MATRIX_KINDS)).clone()
+    m_before = a.span(*series_span("M", MATRIX_KINDS)).clone()
+    g16[7] = float("inf")
+    names = [n.op for n in tr.compiled.program.train]
+    start = names.index("RANGE_MEAN_ALLREDUCE")
+    from tr_hydra.runtime.executor import StepContext
+    ctx = StepContext(variant="train_base", buffer="A")
+    for op in ex.train_ops[start:]:
+        op(ctx)
+    if ex.scalar("found_inf") != 1.0:
+        failures.append("executor: an inf in a 16-bit gradient was not found")
+    if not (torch.equal(a.span(*series_span("W", MATRIX_KINDS)), w_before)
+            and torch.equal(a.span(*series_span("M", MATRIX_KINDS)), m_before)):
+        failures.append("executor: the update ran on a step with an inf gradient")
+    if ex.scalar("loss_scale") >= scale:
+        failures.append("executor: the fp16 loss scale did not back off")
+    return failures
+
+
 def check_nonfinite(dev) -> list[str]:
     """Per-region flags against torch.isfinite per region, over a sequence of steps: clean, bad
-    (the first bad step's regions and step number kept), bad again (kept, not overwritten)."""
+    (the first bad step's regions and step number kept), bad again (kept, not overwritten).
+    Regions 0-2 are one fp32 span, regions 3-4 one 16-bit span: two kernels, one set of flags."""
     failures = []
     sizes = [5, 1030, 7, 2048, 3]  # region boundaries inside blocks and across them
-    starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], dtype=torch.int32, device=dev)
+    hd = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    groups = [(0, 3, torch.float32), (3, 5, hd)]
+    starts = {a: torch.tensor([sum(sizes[a:i]) for i in range(a, b)], dtype=torch.int32, device=dev)
+              for a, b, _ in groups}
     flags = torch.zeros(len(sizes), dtype=torch.int8, device=dev)
     mask = torch.zeros(len(sizes), dtype=torch.int8, device=dev)
     found, count = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
@@ -109,12 +177,13 @@ def check_nonfinite(dev) -> list[str]:
     expect_mask, expect_first, expect_count = [0] * len(sizes), 0.0, 0
     for t, poison in enumerate(([], [(1, float("nan"), 1029)], [], [(3, float("inf"), 0), (0, -float("inf"), 4)],
                                 [(4, float("nan"), 2)])):
-        x = torch.randn(sum(sizes), device=dev)
+        parts = [torch.randn(k, device=dev) for k in sizes]
         for r, val, at in poison:
-            x[int(starts[r]) + at] = val
-        bad = [not torch.isfinite(part).all().item() for part in torch.split(x, sizes)]
+            parts[r][at] = val
+        bad = [not torch.isfinite(p).all().item() for p in parts]
+        spans = [(torch.cat(parts[a:b]).to(dt), starts[a], a) for a, b, dt in groups]
         step.fill_(float(t))
-        tri.nonfinite_check(x, starts, flags, mask, found, count, first_step, step)
+        tri.nonfinite_check(spans, flags, mask, found, count, first_step, step)
         if any(bad):
             expect_count += 1
             if not any(expect_mask):
@@ -127,8 +196,9 @@ def check_nonfinite(dev) -> list[str]:
 
 
 def check_executor_fuses_update_and_cast(dev) -> list[str]:
-    """Training with the fused kernels (the weight update writing the 16-bit compute copy, the
-    separate cast node skipped) ends where the plain-torch reference ends."""
+    """Training with the fused kernels (the weight update reading the 16-bit gradients and
+    writing the 16-bit compute copy, both cast nodes skipped) ends where the plain-torch
+    reference ends; a non-finite 16-bit gradient still skips the step and is named."""
     import dataclasses
     from tests.helpers import small_config
     from tr_hydra.runtime.runner import Trainer
@@ -140,12 +210,16 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
                                                                  deterministic=dev.type == "cuda"))
         tr = Trainer(pc, f"/tmp/tr_fuse_{kernels}", log=lambda *_: None, telemetry=False)
         tr.fit()
-        if kernels == "triton" and len(tr.ex._fused_away) != 1:
-            failures.append(f"executor: expected the W->A cast fused into the update, got {tr.ex._fused_away}")
+        if kernels == "triton":
+            casts = sorted(n.op for n in tr.compiled.program.train if id(n) in tr.ex._fused_away)
+            if casts != ["RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"]:
+                failures.append(f"executor: expected both casts fused into the update, got {casts}")
         a = tr.arena
         from tr_hydra.memory.regions import MATRIX_KINDS, series_span
         states[kernels] = (a.span(*series_span("W", MATRIX_KINDS)).clone(),
                            a.span(*series_span("A", MATRIX_KINDS)).clone())
+        if kernels == "triton":
+            failures += _check_fused_skip(tr)
     (w0, a0), (w1, a1) = states["torch"], states["triton"]
     if ((w0 - w1).norm() / w0.norm()).item() > (1e-4 if dev.type == "cuda" else 1e-5):
         failures.append(f"executor: fused weights differ from the reference: {((w0 - w1).norm() / w0.norm()).item():.2e}")

@@ -63,10 +63,10 @@ class ArenaKeeper:
         """Flat view over regions start..end, blind to tensor boundaries."""
         off, nbytes = self.plan.region_range(start, end)
         if dtype is None:
-            dtype = self._region_dtype(start)
+            dtype = self.region_dtype(start)
         return self._flat(off, nbytes, dtype)
 
-    def _region_dtype(self, r: Region) -> torch.dtype:
+    def region_dtype(self, r: Region) -> torch.dtype:
         n = r.name
         if n.endswith("_FP16") or n.startswith("A_"):
             return self.half_dtype

@@ -26,14 +26,18 @@ CODES = {"SGD": SGD, "MOMENTUM": MOMENTUM, "NESTEROV": NESTEROV, "ADAM": ADAM, "
 def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
                    lr_ptr, mom_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr, wd_ptr, gate_ptr, a_ptr,
                    RULE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_HALF: tl.constexpr = False):
+                   HAS_HALF: tl.constexpr = False, gs_ptr=None, HAS_GSCALE: tl.constexpr = False):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     lr = tl.load(lr_ptr)
     wd = tl.load(wd_ptr)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    # fp32 gradients, or the 16-bit ones read directly (RANGE_CAST_FP16_TO_FP32 fused): widened,
+    # then unscaled exactly as the cast would (one fp32 multiply)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GSCALE:
+        g = g * tl.load(gs_ptr)
     keep = 1.0
     if HAS_GATE:
         keep = 1.0 - tl.load(gate_ptr)  # 0 on a skipped step
@@ -78,7 +82,7 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
 @triton.jit
 def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr, mom_ptr, wd_ptr, gate_ptr,
                  a_ptr, SEG: tl.constexpr, ROWS: tl.constexpr, HAS_GATE: tl.constexpr,
-                 HAS_HALF: tl.constexpr = False):
+                 HAS_HALF: tl.constexpr = False, gs_ptr=None, HAS_GSCALE: tl.constexpr = False):
     """The LARS update once the per-tensor trust ratios are known. The span is seen as rows of
     SEG elements (slots are whole rows, so a row never straddles two tensors): each row looks
     up its tensor's ratio once through the compile-time block table."""
@@ -93,7 +97,9 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr
     mom = tl.load(mom_ptr)
     wd = tl.load(wd_ptr)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GSCALE:
+        g = g * tl.load(gs_ptr)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     m_new = m * mom + (g + wd * w) * trust
     w_new = w - lr * m_new
@@ -108,7 +114,8 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, trust_ptr, block_ids_ptr, n_blocks, lr_ptr
 
 
 @triton.jit
-def _block_sumsq_kernel(w_ptr, g_ptr, ow_ptr, og_ptr, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr):
+def _block_sumsq_kernel(w_ptr, g_ptr, ow_ptr, og_ptr, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr,
+                        gs_ptr=None, HAS_GSCALE: tl.constexpr = False):
     """Sum of squares of every SEG-element block of w and of g, in one read of both."""
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -116,6 +123,8 @@ def _block_sumsq_kernel(w_ptr, g_ptr, ow_ptr, og_ptr, n_blocks, SEG: tl.constexp
     m = rows[:, None] < n_blocks
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_GSCALE:
+        g = g * tl.load(gs_ptr)
     tl.store(ow_ptr + rows, tl.sum((w * w).to(tl.float64), axis=1), mask=rows < n_blocks)
     tl.store(og_ptr + rows, tl.sum((g * g).to(tl.float64), axis=1), mask=rows < n_blocks)
 
@@ -216,12 +225,16 @@ def _nonfinite_finish_kernel(flags_ptr, first_mask_ptr, found_ptr, count_ptr, fi
     tl.store(flags_ptr + r, tl.zeros([RB], dtype=tl.int8), mask=m)
 
 
-def nonfinite_check(span, starts, flags, first_mask, found, count, first_step, step) -> None:
-    """Drop-in for the reference check: ``span`` a flat fp32 view over the checked regions,
-    ``starts`` (int32, on the device) the element offset of each region in it."""
-    nreg = starts.numel()
-    n = span.numel()
-    _nonfinite_kernel[_grid(n, "nonfinite")](span, starts, flags, n, NREG=nreg, **_cfg("nonfinite"))
+def nonfinite_check(spans, flags, first_mask, found, count, first_step, step) -> None:
+    """Drop-in for the reference check. ``spans``: (flat view over consecutive regions of one
+    dtype, the element offset of each region in it as int32 on the device, the index of its
+    first region's flag), one kernel each; then one kernel combines the flags of all."""
+    nreg = 0
+    for span, starts, first in spans:
+        k, n = starts.numel(), span.numel()
+        _nonfinite_kernel[_grid(n, "nonfinite")](span, starts, flags[first:first + k], n, NREG=k,
+                                                 **_cfg("nonfinite"))
+        nreg = max(nreg, first + k)
     _nonfinite_finish_kernel[(1,)](flags, first_mask, found, count, first_step, step,
                                    NREG=nreg, RB=max(16, triton.next_power_of_2(nreg)))
 
@@ -235,12 +248,15 @@ def _cfg(kind: str) -> dict:
     return {"BLOCK": block, "num_warps": warps}
 
 
-def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None, half=None) -> None:
+def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=None, half=None,
+                 g_scale=None) -> None:
     """Drop-in for ``optimizers.apply_update``: SGD, momentum, Nesterov, Adam, AdamW, LARS. With
     ``half`` (a 16-bit span parallel to ``w``) the updated weights are also written there, in
-    the same pass: the update and the following fp32 -> 16-bit cast as one kernel."""
+    the same pass: the update and the following fp32 -> 16-bit cast as one kernel. ``g`` may be
+    the 16-bit gradient span itself, times ``g_scale`` (a device scalar) if given: the update
+    then also does the preceding 16-bit -> fp32 cast (and unscale) of the gradients."""
     if op.endswith("_LARS"):
-        _lars(w, g, states[0], h, wd, gate, segments, norms, half)
+        _lars(w, g, states[0], h, wd, gate, segments, norms, half, g_scale)
         return
     rule = CODES[op.rsplit("_", 1)[1]]
     n = w.numel()
@@ -248,10 +264,12 @@ def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=N
     v = states[1] if len(states) > 1 else w
     _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd,
                              gate if gate is not None else h.lr, half if half is not None else w,
-                             RULE=rule, HAS_GATE=gate is not None, HAS_HALF=half is not None, **_cfg("update"))
+                             RULE=rule, HAS_GATE=gate is not None, HAS_HALF=half is not None,
+                             gs_ptr=g_scale if g_scale is not None else h.lr, HAS_GSCALE=g_scale is not None,
+                             **_cfg("update"))
 
 
-def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
+def _lars(w, g, m, h, wd, gate, segments, norms, half=None, g_scale=None) -> None:
     from tr_hydra.ops.range_ops import BLOCK as SEG_BLOCK
     # per-tensor norms: one pass over w and g for the per-block sums of squares (fp32 squares
     # summed in float64, as in the reference), then one program per tensor sums its blocks in a
@@ -262,8 +280,9 @@ def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
         sums = torch.empty(2, nb, dtype=torch.float64, device=w.device)  # made once, before capture
         segments._block_sums = sums
     rows = LAUNCH["lars"][0] // SEG_BLOCK
+    gs = {"gs_ptr": g_scale if g_scale is not None else h.lr, "HAS_GSCALE": g_scale is not None}
     _block_sumsq_kernel[(triton.cdiv(nb, rows),)](w, g, sums[0], sums[1], nb, SEG=SEG_BLOCK, ROWS=rows,
-                                                  num_warps=LAUNCH["lars"][1])
+                                                  num_warps=LAUNCH["lars"][1], **gs)
     trust = getattr(segments, "_trust", None)
     if trust is None:
         trust = torch.empty(segments.count, dtype=torch.float32, device=w.device)
@@ -274,7 +293,7 @@ def _lars(w, g, m, h, wd, gate, segments, norms, half=None) -> None:
     _lars_kernel[(triton.cdiv(nb, rows),)](w, g, m, trust, segments.block_ids, nb, h.lr, h.momentum, wd,
                                            gate if gate is not None else h.lr, half if half is not None else w,
                                            SEG=SEG_BLOCK, ROWS=rows, HAS_GATE=gate is not None,
-                                           HAS_HALF=half is not None, num_warps=LAUNCH["lars"][1])
+                                           HAS_HALF=half is not None, num_warps=LAUNCH["lars"][1], **gs)
 
 
 def fused_cast(dst, src, scale=None) -> None:

@@ -126,6 +126,8 @@ class StepExecutor:
             raise ValueError("bind the model to the arena before building its executor")
         self.fused = self._fused_ops()
         self._half_out, self._fused_away = self._update_cast_pairs(compiled.program.train)
+        self._grad16_in, away = self._grad_cast_pairs(compiled.program.train)
+        self._fused_away |= away
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
@@ -162,6 +164,34 @@ class StepExecutor:
                     away.add(id(c))
                     break
         return half, away
+
+    def _grad_cast_pairs(self, nodes) -> tuple[dict, set]:
+        """With the fused kernels, the 16-bit -> fp32 cast of the matrix gradients (with the fp16
+        unscale) folds into the weight update that reads them: the update reads the 16-bit span
+        and unscales in the same pass, and the fp32 matrix gradients are not written. Returns
+        {id(update node): (16-bit span, scale scalar name or "")} and the cast nodes made
+        redundant."""
+        if self.fused is None:
+            return {}, set()
+        into, away = {}, set()
+        for i, c in enumerate(nodes):
+            if c.op != "RANGE_CAST_FP16_TO_FP32":
+                continue
+            for n in nodes[i + 1:]:
+                if n.op.startswith("RANGE_UPDATE_WEIGHT_") and self.fused.supports(n.op) and n.spans[1] == c.spans[0]:
+                    into[id(n)] = (c.spans[1], c.arg("scale") or "")
+                    away.add(id(c))
+                    break
+        return into, away
+
+    @property
+    def grads_read_16bit(self) -> list[tuple]:
+        """(fp32 gradient span left unwritten, the 16-bit span the update reads instead)."""
+        out = []
+        for c in self.c.program.train:
+            if id(c) in self._fused_away and c.op == "RANGE_CAST_FP16_TO_FP32":
+                out.append((c.spans[0], c.spans[1]))
+        return out
 
     # ------------------------------------------------------------------ views
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +303,14 @@ class StepExecutor:
         R_RESULT): the step's flag, and which regions were non-finite at the first bad step."""
         start, end = n.spans[0]
         regions = [Region(i) for i in range(start, end + 1) if self.plan.region_size[Region(i)]]
+        if self.fused is not None:
+            # gradients the update reads in 16 bits are checked there, not in their unwritten
+            # fp32 twins
+            for span32, span16 in self.grads_read_16bit:
+                skip = set(range(int(span32[0]), int(span32[1]) + 1))
+                regions = [r for r in regions if int(r) not in skip]
+                regions += [Region(i) for i in range(int(span16[0]), int(span16[1]) + 1)
+                            if self.plan.region_size[Region(i)]]
         views = [self.arena.span(r, r) for r in regions]
         self.check_regions = regions
         flag, skipped, nonfinite = self.s["found_inf"], self.s["skipped"], self.s["nonfinite"]
@@ -280,14 +318,17 @@ class StepExecutor:
         mask = self.nonfinite_mask[:len(regions)]
         fp16 = bool(n.arg("fp16"))
         count = skipped if fp16 else nonfinite
-        if self.fused is not None:  # one pass over the span, one tiny finishing kernel
-            span = self.arena.span(regions[0], regions[-1], torch.float32)
-            base = self.plan.region_range(regions[0], regions[0])[0]
-            starts = torch.tensor([(self.plan.region_range(r, r)[0] - base) // 4 for r in regions],
-                                  dtype=torch.int32, device=self.device)
+        if self.fused is not None:  # one pass per run of adjacent same-dtype regions, one finish
+            spans = []
+            for first, group in self._check_groups(regions):
+                span = self.arena.span(group[0], group[-1])  # in the regions' own dtype
+                base = self.plan.region_range(group[0], group[0])[0]
+                starts = torch.tensor([(self.plan.region_range(r, r)[0] - base) // span.element_size()
+                                       for r in group], dtype=torch.int32, device=self.device)
+                spans.append((span, starts, first))
             flags = self.arena.view(self.plan["mask.nonfinite_flags"]).view(-1)[:len(regions)]
             fused = self.fused
-            return lambda ctx: fused.nonfinite_check(span, starts, flags, mask, flag, count, first_step, step)
+            return lambda ctx: fused.nonfinite_check(spans, flags, mask, flag, count, first_step, step)
         def check(ctx):
             bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
             flag.copy_(bad.any().float().view(1))
@@ -297,6 +338,21 @@ class StepExecutor:
             mask.copy_(torch.where(first, bad.to(mask.dtype), mask))
             first_step.copy_(torch.where(first, step + 1, first_step))
         return check
+
+    def _check_groups(self, regions):
+        """(index of the first region, regions) for each run of regions adjacent in the arena
+        and of one dtype, in order."""
+        groups = []
+        for i, r in enumerate(regions):
+            if groups:
+                first, g = groups[-1]
+                prev = g[-1]
+                end = self.plan.region_base[prev] + self.plan.region_size[prev]
+                if self.plan.region_base[r] == end and self.arena.region_dtype(r) == self.arena.region_dtype(prev):
+                    g.append(r)
+                    continue
+            groups.append((i, [r]))
+        return groups
 
     def nonfinite_report(self) -> str:
         """Where the first non-finite value was seen (read on demand, one host transfer)."""
@@ -319,6 +375,10 @@ class StepExecutor:
             fused = self.fused
             if id(n) in self._half_out:
                 extra["half"] = self._span(self._half_out[id(n)])
+            if id(n) in self._grad16_in:
+                span16, scale = self._grad16_in[id(n)]
+                g = self._span(span16)
+                extra["g_scale"] = self.s[scale] if scale else None
             return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate, **extra)
         return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
 

@@ -332,7 +332,8 @@ class Trainer:
         start_epoch, step, history = self._resume_point()
         self.capture()  # after the restore: warm-up snapshots and restores the resumed state
         res.capture_seconds = self.graphs.capture_seconds if self.graphs else 0.0
-        tel = Telemetry(self.run_dir, self.compiled, self.arena, enabled=self.telemetry)
+        tel = Telemetry(self.run_dir, self.compiled, self.arena, enabled=self.telemetry,
+                        grads_16bit=self.ex.grads_read_16bit)
         tel.start(step)
         images, train_time, t_run = 0, 0.0, time.perf_counter()
         self.model.train()

@@ -20,20 +20,29 @@ SERIES_COLORS = {"B": (76, 114, 176), "W": (221, 132, 82), "E": (85, 168, 104), 
 
 class SpanNorms:
     """L2 norm of every populated W, G, M, V, E span: one reduction each on the device, read in
-    one transfer when the metrics are read."""
+    one transfer when the metrics are read. ``grads_16bit`` lists (fp32 span, 16-bit span) pairs
+    whose fp32 side the step does not write (the update reads the 16-bit gradients): the G norm
+    is then taken over the 16-bit side there."""
 
-    def __init__(self, arena):
-        self.views: list[tuple[str, torch.Tensor]] = []
+    def __init__(self, arena, grads_16bit=()):
+        self.views: list[tuple[str, list[torch.Tensor]]] = []
         plan = arena.plan
+        unwritten = {i for (a, b), _ in grads_16bit for i in range(int(a), int(b) + 1)}
         for series in NORM_SERIES:
             regions = [r for r in ALL_REGIONS if series_of(r) == series and plan.region_size[r]]
-            if regions:
-                self.views.append((series, arena.span(regions[0], regions[-1], torch.float32)))
+            if series == "G" and unwritten:
+                parts = [arena.span(r, r) for r in regions if int(r) not in unwritten]
+                parts += [arena.span(b16[0], b16[1]) for _, b16 in grads_16bit]
+                self.views.append((series, parts))
+            elif regions:
+                self.views.append((series, [arena.span(regions[0], regions[-1], torch.float32)]))
 
     def read(self) -> dict[str, float]:
         if not self.views:
             return {}
-        vals = torch.stack([v.norm() for _, v in self.views]).tolist()
+        norms = [torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in parts]).norm()
+                 for _, parts in self.views]
+        vals = torch.stack(norms).tolist()
         return {name: val for (name, _), val in zip(self.views, vals)}
 
 
@@ -94,9 +103,9 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 
 class Telemetry:
-    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True):
+    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True, grads_16bit=()):
         self.enabled = enabled
-        self.norms = SpanNorms(arena)
+        self.norms = SpanNorms(arena, grads_16bit)
         self.plan = compiled.plan
         self.writer = None
         if enabled:
