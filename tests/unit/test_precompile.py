@@ -71,3 +71,17 @@ def test_children_of_a_ddp_rank_join_no_process_group(monkeypatch):
     finally:
         pre.close()
     assert s["val_base"]["ok"], s
+
+
+def test_a_variant_whose_child_has_not_started_is_compiled_in_the_main_process():
+    pc = small_config(train_size=80, val_size=40)
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False)], workers=1, log=lambda *_: None)
+    try:
+        pre.wait("val_base")  # its child is still queued behind train_last's: not waited for
+        assert pre.children[1].proc is None
+        pre.wait("train_last")
+        s = pre.summary()
+    finally:
+        pre.close()
+    assert s["train_last"]["ok"] and s["val_base"]["ok"] is None
+    assert pre.children[1].proc is None  # and never started afterwards

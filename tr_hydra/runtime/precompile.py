@@ -95,11 +95,16 @@ class Precompiler:
         while self._queue and running < self.workers:
             c = self._queue.pop(0)
             c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
-            with open(c.log_path, "w") as out:
-                c.proc = subprocess.Popen(
-                    [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, c.name,
-                     "train" if c.train else "val", str(self.device_index)],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
+            try:
+                with open(c.log_path, "w") as out:
+                    c.proc = subprocess.Popen(
+                        [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, c.name,
+                         "train" if c.train else "val", str(self.device_index)],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
+            except OSError as e:  # no process to be had: this variant compiles in the main process
+                c.ok = False
+                self.log(f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
+                continue
             c.started = time.perf_counter()
             running += 1
 
@@ -111,7 +116,8 @@ class Precompiler:
             return False
         c.seconds = time.perf_counter() - c.started
         c.ok = rc == 0
-        text = open(c.log_path, errors="replace").read()
+        with open(c.log_path, errors="replace") as f:
+            text = f.read()
         for line in reversed(text.splitlines()):
             if line.startswith("{"):
                 try:
@@ -130,6 +136,9 @@ class Precompiler:
         """Block until ``name``'s child is done (starting queued children as others finish)."""
         target = next((c for c in self.children if c.name == name), None)
         if target is None:
+            return
+        if target.proc is None and target in self._queue:  # not started yet: quicker here
+            self._queue.remove(target)
             return
         while True:
             for c in self.children:
