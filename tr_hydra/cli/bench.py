@@ -81,6 +81,10 @@ def e2e_table(records: list[dict]) -> str:
     for r in records:
         ratio = tr["img_per_sec"] / r["img_per_sec"] if tr else float("nan")
         lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f}")
+    if tr and "data_wait_seconds" in tr:
+        lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
+                     f"({tr['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; "
+                     f"next epoch's reader built ahead: {'yes' if tr['epochs_read_ahead'] else 'no'})")
     return "\n".join(lines)
 
 

@@ -98,6 +98,7 @@ class Trainer:
         from tr_hydra.runtime import distributed
         self.pc, self.run_dir = pc, Path(run_dir)
         self.data_wait = 0.0  # host seconds spent getting batches
+        self.first_batch_wait = 0.0  # of the latest run_steps
         self.device = pick_device(pc)
         self.dist = distributed.init(pc.dist.mode, self.device.type, pc.dist.timeout_s)
         if self.device.type == "cuda" and self.dist.backend:
@@ -237,7 +238,9 @@ class Trainer:
             if k < len(steps) and hasattr(src, "prefetch"):
                 src.prefetch(*request(steps[k]), epoch=epoch, after=self.feeder.last_copy_event())
         bufs = ("A", "B")
+        t0 = self.data_wait
         self.feeder.put("A", steps[0][0], batch(steps[0]))
+        self.first_batch_wait = self.data_wait - t0  # a new epoch's (or split's) first batch
         prefetch(1)
         for k, s in enumerate(steps):
             buf = bufs[k % 2]
