@@ -146,7 +146,9 @@ class _Ahead:
 
     def __init__(self, key: tuple, build):
         self.key, self.stream, self.error = key, None, None
-        self._thread = threading.Thread(target=self._run, args=(build,), daemon=True,
+        # not a daemon: a run that ends mid-build (max_steps) waits for the build at exit rather
+        # than tearing DALI down under it
+        self._thread = threading.Thread(target=self._run, args=(build,), daemon=False,
                                         name="tr_hydra-dali-ahead")
         self._thread.start()
 
