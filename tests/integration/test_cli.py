@@ -148,6 +148,11 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
         assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
     assert res["modes"][1]["img_per_sec_single_buffer_median"] > 0  # tr_hydra timed both ways
     assert "tr, timed as one step at a time on buffer A" in out.stdout
+    mem = res["modes"][1]["memory"]  # where tr_hydra's memory goes; eager has no arena
+    assert mem["arena_bytes"] > 0 and "arena_bytes" not in res["modes"][0]["memory"]
+    assert mem["predicted_need_bytes"] == (mem["arena_bytes"] + mem["activation_estimate_bytes"]
+                                           + mem["gradient_transient_bytes"])
+    assert "tr memory MiB: arena" in out.stdout
     mix = res["epoch_mix"]
     assert list(mix["variants"]) == ["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base"]
     assert list(mix["modes"]) == ["tr", "eager"]

@@ -116,8 +116,22 @@ class Mode:
         _sync(device)
         self.first_seconds = time.perf_counter() - t0
         self.peak_bytes = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+        self.memory = self._memory(base if device.type == "cuda" else 0)
         self.times: list[float] = []
         self.other_times: list[float] = []
+
+    def _memory(self, base: int) -> dict:
+        """Where the peak comes from: what stays allocated between steps, and for tr_hydra the
+        arena, the plan's prediction and the peak the warm-up had reached before the capture."""
+        cuda = self.device.type == "cuda"
+        out = {"allocated_between_steps_bytes": torch.cuda.memory_allocated(self.device) - base} if cuda else {}
+        if self.trainer is not None:
+            c = self.trainer.compiled
+            out.update(arena_bytes=c.plan.total_bytes, activation_estimate_bytes=c.activation_estimate,
+                       gradient_transient_bytes=c.gradient_transient, predicted_need_bytes=c.predicted_need)
+            if cuda and self.trainer.graphs is not None:
+                out["peak_after_warmup_bytes"] = self.trainer.graphs.peak_after_warmup - base
+        return out
 
     def run(self, steps: int) -> None:
         """``steps`` training steps. tr_hydra runs them as one schedule, as in training: the
@@ -150,7 +164,8 @@ class Mode:
         r = self.times
         out = {"mode": self.name, "img_per_sec_median": statistics.median(r), "img_per_sec_all": r,
                "spread": (max(r) - min(r)) / statistics.median(r) if r else 0.0,
-               "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds}
+               "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds,
+               "memory": self.memory}
         if self.other_times:
             key = "img_per_sec_ab_schedule" if self.single_buffer else "img_per_sec_single_buffer"
             out[key + "_median"] = statistics.median(self.other_times)
@@ -426,6 +441,12 @@ def table(records: list[dict]) -> str:
                           ("img_per_sec_ab_schedule_median", "A/B schedules")):
             if key in r:
                 lines.append(f"{r['mode']}, timed as {what}: {r[key]:,.1f} img/s")
+        m = r.get("memory", {})
+        if "arena_bytes" in m:
+            mib = lambda k: f"{m[k] / 2**20:,.0f}" if k in m else "-"  # noqa: E731
+            lines.append(f"{r['mode']} memory MiB: arena {mib('arena_bytes')}, between steps "
+                         f"{mib('allocated_between_steps_bytes')}, peak after warm-up {mib('peak_after_warmup_bytes')}, "
+                         f"peak {r['peak_bytes'] / 2**20:,.0f}, predicted {mib('predicted_need_bytes')}")
     return "\n".join(lines)
 
 

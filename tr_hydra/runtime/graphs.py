@@ -17,6 +17,7 @@ class CudaGraphs:
         self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}  # per variant: waiting for its compile, then warm-up
+        self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
                 before_variant=None) -> None:
@@ -50,6 +51,8 @@ class CudaGraphs:
             model.train()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        # where the peak comes from: warm-up (eager side stream, autotuning) or the capture
+        self.peak_after_warmup = torch.cuda.max_memory_allocated()
         self._capture_each(train_variants, ex.train_step, self.train)
         model.eval()
         with ex.folded():
