@@ -126,3 +126,24 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch):
     assert all(r["fxgraph_cache_miss"] > 0 for r in s.values()), s  # the children compiled
     assert hits >= len(s), (hits, s)  # and the main process loaded what they compiled
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
+
+
+def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
+    """cuBLAS keeps a workspace per stream for the whole run. Warm-up and capture run on one
+    stream, so besides the arena the run holds one workspace set, within the plan's figure."""
+    import gc
+    from tr_hydra.compiler.compile import BLAS_WORKSPACE_BYTES
+    gc.collect()  # earlier tests' trainers, before the baseline
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # and their streams' workspaces
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    tr = Trainer(small_config(device="cuda", amp=True), tmp_path, log=lambda *_: None, telemetry=False,
+                 source=False)
+    tr.capture()
+    torch.cuda.synchronize()
+    streams = {seg["stream"] for seg in torch.cuda.memory_snapshot()
+               if seg["stream"] != 0 and any(b["state"] == "active_allocated" for b in seg["blocks"])}
+    assert len(streams) <= 1, streams  # a separate warm-up stream would hold a second set
+    extra = torch.cuda.memory_allocated() - base - tr.arena.arena.numel()
+    assert 0 < extra <= BLAS_WORKSPACE_BYTES + 2**20, extra / 2**20

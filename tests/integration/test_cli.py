@@ -151,7 +151,7 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     mem = res["modes"][1]["memory"]  # where tr_hydra's memory goes; eager has no arena
     assert mem["arena_bytes"] > 0 and "arena_bytes" not in res["modes"][0]["memory"]
     assert mem["predicted_need_bytes"] == (mem["arena_bytes"] + mem["activation_estimate_bytes"]
-                                           + mem["gradient_transient_bytes"])
+                                           + mem["gradient_transient_bytes"] + mem["library_workspace_bytes"])
     assert "tr memory MiB: arena" in out.stdout
     mix = res["epoch_mix"]
     assert list(mix["variants"]) == ["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tr_hydra.compiler.compile import compile_plan
 from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
 from tr_hydra.memory.regions import MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
 from tr_hydra.runtime.runner import Trainer, epoch_schedule, val_schedule
@@ -256,4 +257,14 @@ def test_predicted_need_counts_the_gradients_the_backward_returns(tmp_path, amp)
     assert any(p.dtype == torch.bfloat16 for p in params) == amp
     c = tr.compiled
     assert returned <= c.gradient_transient <= returned + 2 * (255 + 16) * len(params)  # slot padding
+    assert c.library_workspace == 0  # a CPU run holds no BLAS workspaces
     assert c.predicted_need == c.plan.total_bytes + c.activation_estimate + c.gradient_transient
+
+
+def test_predicted_need_counts_one_set_of_blas_workspaces_on_cuda():
+    """A CUDA run warms up and captures on one stream: one cuBLAS + cuBLASLt workspace set."""
+    from tr_hydra.compiler.compile import BLAS_WORKSPACE_BYTES
+    for device, lib in (("cuda", BLAS_WORKSPACE_BYTES), ("auto", BLAS_WORKSPACE_BYTES), ("cpu", 0)):
+        c = compile_plan(small_config(device=device, amp=True))
+        assert c.library_workspace == lib
+        assert c.predicted_need == c.plan.total_bytes + c.activation_estimate + c.gradient_transient + lib

@@ -128,7 +128,8 @@ class Mode:
         if self.trainer is not None:
             c = self.trainer.compiled
             out.update(arena_bytes=c.plan.total_bytes, activation_estimate_bytes=c.activation_estimate,
-                       gradient_transient_bytes=c.gradient_transient, predicted_need_bytes=c.predicted_need)
+                       gradient_transient_bytes=c.gradient_transient, library_workspace_bytes=c.library_workspace,
+                       predicted_need_bytes=c.predicted_need)
             if cuda and self.trainer.graphs is not None:
                 out["peak_after_warmup_bytes"] = self.trainer.graphs.peak_after_warmup - base
         return out
@@ -176,9 +177,11 @@ class Mode:
 KERNEL_GROUPS = (  # first match wins: where a step's device time goes
     ("tr_hydra range kernels", ("_update_kernel", "_lars_kernel", "_cast_kernel", "_ema_kernel", "_nonfinite")),
     ("NCCL", ("nccl",)),
+    # before the convolutions: Inductor names its kernels after the ops they fuse, and
+    # "convolution_backward" in a fused elementwise kernel's name does not make it a convolution
+    ("Inductor (Triton)", ("triton_",)),
     ("convolution (cuDNN)", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "sm90", "sm100")),
     ("matmul (cuBLAS)", ("gemm", "cublas", "cutlass")),
-    ("Inductor (Triton)", ("triton_",)),
     ("BatchNorm (eager)", ("batch_norm", "batchnorm", "bn_")),
     ("multi-tensor (optimizer, grad copy)", ("fused_sgd", "multi_tensor", "foreach")),
     ("memset / memcpy", ("memset", "memcpy", "Memset", "Memcpy")),

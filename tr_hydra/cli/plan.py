@@ -45,6 +45,7 @@ def plan_table(compiled) -> str:
               f"{_mib(compiled.activation_estimate)}",
               f"gradients returned by the backward, before their copy into the arena: "
               f"{_mib(compiled.gradient_transient)}",
+              f"BLAS workspaces (cuBLAS and cuBLASLt, one stream): {_mib(compiled.library_workspace)}",
               f"predicted device need: {_mib(compiled.predicted_need)}", "",
               compiled.program.describe()]
     return "\n".join(lines)
@@ -57,6 +58,7 @@ def plan_json(compiled) -> dict:
         "fingerprint": pc.fingerprint(),
         "activation_estimate_bytes": compiled.activation_estimate,
         "gradient_transient_bytes": compiled.gradient_transient,
+        "library_workspace_bytes": compiled.library_workspace,
         "predicted_need_bytes": compiled.predicted_need,
         "regions": [{"index": int(r), "name": r.name, "base_offset": plan.region_base[r],
                      "total_bytes": plan.region_size[r], "series": series_of(r),

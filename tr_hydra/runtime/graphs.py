@@ -13,6 +13,9 @@ class CudaGraphs:
     def __init__(self, executor: StepExecutor):
         self.ex = executor
         self.pool = torch.cuda.graph_pool_handle()
+        # warm-up and capture on one stream: cuBLAS keeps a workspace per stream (65 MiB on the
+        # H200), so a second stream would hold a second one for the whole run
+        self.stream = torch.cuda.Stream(device=executor.device)
         self.train: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
@@ -30,7 +33,7 @@ class CudaGraphs:
         ex, model = self.ex, self.ex.model
         # host copy: a device copy would add the arena's size to the peak memory
         snapshot = ex.arena.arena.to("cpu", copy=True)
-        side = torch.cuda.Stream()
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for v in train_variants:
@@ -67,7 +70,7 @@ class CudaGraphs:
         for v in variants:
             for buf in BUFFERS:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
                     step(v, buf)
                 into[(v, buf)] = g
 

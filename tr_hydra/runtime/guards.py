@@ -26,7 +26,8 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     the figures and the largest batch that fits."""
     pc = compiled.config
     arena, act, grads = compiled.plan.total_bytes, compiled.activation_estimate, compiled.gradient_transient
-    need = int((arena + act + grads) * HEADROOM)
+    lib = compiled.library_workspace
+    need = int((arena + act + grads + lib) * HEADROOM)
     if need <= free_bytes:
         return
     batch = pc.batch_size
@@ -39,7 +40,7 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     raise MemoryPlanError(
         f"variants.batch_size={batch}: the plan needs about {need / GiB:.2f} GiB on {device} "
         f"(arena {arena / GiB:.2f} GiB + activations {act / GiB:.2f} GiB + gradients before their copy "
-        f"{grads / GiB:.2f} GiB + 10% headroom) but only "
+        f"{grads / GiB:.2f} GiB + BLAS workspaces {lib / GiB:.2f} GiB + 10% headroom) but only "
         f"{free_bytes / GiB:.2f} GiB are free; {advice}")
 
 

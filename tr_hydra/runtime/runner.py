@@ -208,7 +208,8 @@ class Trainer:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         want = pcm.requested_workers(self.pc.runtime.precompile, len(order) + 1, self.pc.world_size, cpus)
         free, _ = torch.cuda.mem_get_info(self.device)
-        n = pcm.memory_limited(want, free, self.compiled.plan.total_bytes + self.compiled.gradient_transient,
+        n = pcm.memory_limited(want, free, self.compiled.plan.total_bytes + self.compiled.gradient_transient
+                               + self.compiled.library_workspace,
                                self.compiled.activation_estimate, HEADROOM)
         if n == 0:
             if want:
