@@ -187,6 +187,7 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
     tr = res["modes"][0]
     assert tr["images"] == 40 - 2 * 8 + 40 and tr["img_per_sec"] > 0  # rest of epoch 0, all of epoch 1
     assert 0 <= tr["epoch_switch_wait_seconds"] <= tr["data_wait_seconds"] < tr["seconds"]
+    assert 0 <= tr["copy_wait_seconds"] <= tr["data_wait_seconds"]  # part of it: the previous copy out
     assert tr["epochs_read_ahead"] == 1  # epoch 1's reader was built while epoch 0 ran
     assert "waited" in out.stdout
     bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)

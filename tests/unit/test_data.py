@@ -231,8 +231,8 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
 
 
 def test_next_epoch_stream_is_built_ahead_and_equals_the_synchronous_decode(tmp_path):
-    """While an epoch runs, the next epoch's stream is built on a background thread; its
-    batches are exactly that epoch's order. No stream is built past the last epoch, and a guess
+    """While an epoch runs, the next epoch's stream is built and started on a background thread;
+    its batches are exactly that epoch's order. No stream is built past the last epoch, and a guess
     that does not match the request (another resolution) is dropped."""
     make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
     pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, train=13, val=13), trainer=TrainerSpec(epochs=3))
@@ -243,7 +243,10 @@ def test_next_epoch_stream_is_built_ahead_and_equals_the_synchronous_decode(tmp_
             got = src.batch("train", i, 4, size, 16, epoch=epoch)
             assert np.array_equal(_dense(got), _dense(ref._decode("train", i, 4, size, 16, epoch)))
             if i == 0 and epoch < 2:
-                assert src._ahead["train"].key == (16, 4, epoch + 1)
+                ahead = src._ahead["train"]
+                assert ahead.key == (16, 4, epoch + 1)
+                ahead._thread.join()
+                assert ahead.stream._primed  # its first batches are decoding before the switch
         assert ("train" in src._ahead) == (epoch < 2)
     assert src.ahead_used == 2
     src = DaliSource(pc, torch.device("cpu"), torch.float32)

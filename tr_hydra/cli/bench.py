@@ -83,7 +83,8 @@ def e2e_table(records: list[dict]) -> str:
         lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f}")
     if tr and "data_wait_seconds" in tr:
         lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
-                     f"({tr['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; "
+                     f"({tr.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
+                     f"{tr['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; "
                      f"next epoch's reader built ahead: {'yes' if tr['epochs_read_ahead'] else 'no'})")
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +114,7 @@ class _Stream:
         self._replaced = [r for _, r in batches]
         self._ids = [ids for ids, _ in batches]
         self._fed = 0
+        self._primed = False
         idx = src.index[split]
         if idx.encoded:
             ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
@@ -126,9 +128,19 @@ class _Stream:
         self._fed = (self._fed + 1) % len(self._ids)
         return self.src._samples(self.split, ids)
 
+    def prime(self) -> None:
+        """Start decoding the first ``DEPTH`` batches now (the stream built ahead does this on
+        its thread, so the next epoch's first batch is ready at the switch)."""
+        if not self._primed:
+            self.pipe.schedule_run()
+            self._primed = True
+
     def run(self) -> tuple[object, np.ndarray, int]:
         """(images, the sample ids they are, how many known-bad samples were replaced)."""
-        out = self.pipe.run()
+        if not self._primed:  # DALI's scheduled API: schedule one more batch, take the oldest
+            self.pipe.schedule_run()
+        self._primed = False
+        out = self.pipe.outputs()
         k = self.next - self.first
         self.next = self.next + 1 if self.next + 1 < self.count else self.first
         ids = self._ids[k]
@@ -140,9 +152,10 @@ class _Stream:
 
 
 class _Ahead:
-    """The next epoch's training stream, built on a background thread while this epoch runs
-    (a pipeline build, the file reader's list and the decoder's set-up take about a second, which
-    would otherwise stall the first step of every epoch)."""
+    """The next epoch's training stream, built on a background thread while this epoch runs, and
+    its first batches decoded there too: a pipeline decodes nothing until it is first run, so a
+    stream only built ahead still left the first step of each epoch waiting 0.62 s (H200, batch
+    256, 16 threads)."""
 
     def __init__(self, key: tuple, build):
         self.key, self.stream, self.error = key, None, None
@@ -154,7 +167,9 @@ class _Ahead:
 
     def _run(self, build) -> None:
         try:
-            self.stream = build()
+            stream = build()
+            stream.prime()
+            self.stream = stream
         except BaseException as e:  # noqa: BLE001 - reported by taking the synchronous path
             self.error = e
 
@@ -182,6 +197,7 @@ class DaliSource:
         self._streams: dict[str, _Stream] = {}   # one asynchronous stream per split
         self._ahead: dict[str, _Ahead] = {}      # the next epoch's stream, being built
         self.ahead_used = 0                      # epochs whose stream was ready in advance
+        self.copy_wait = 0.0                     # host seconds waiting for the previous copy out
         self._orders: dict[tuple[str, int], np.ndarray] = {}
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
@@ -277,7 +293,9 @@ class DaliSource:
         a failed decode) starts a new stream there. A partial last batch (once per epoch) is
         decoded on its own."""
         if self._after is not None:
+            t = time.perf_counter()
             self._after.synchronize()  # the previous batch's buffers are free once copied out
+            self.copy_wait += time.perf_counter() - t  # the device's pace, not DALI's
             self._after = None
         if size < batch:
             return self._decode(split, index, batch, size, res, epoch)
