@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -224,10 +226,21 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
             assert got.labels.tolist() == ref.index["train"].labels[order[i * 4:i * 4 + size]].tolist()
             if size == 4:
                 assert src._streams["train"].next == (i + 1) % 3
-    first = src._streams["train"]
+            if i == 2:  # the epoch's last full batch: nothing left decoding past the epoch
+                assert src._streams["train"]._pending == 0
+    first = weakref.ref(src._streams["train"])
     b = src.batch("train", 2, 4, 4, 16, epoch=1)  # out of sequence: a new stream from batch 2
-    assert src._streams["train"] is not first and src._streams["train"].first == 2
+    assert src._streams["train"] is not first() and src._streams["train"].first == 2
     assert np.array_equal(_dense(b), _dense(ref._decode("train", 2, 4, 4, 16, 1)))
+    for t in threading.enumerate():  # the replaced stream is dropped on a background thread
+        if t.name == "tr_hydra-dali-retire":
+            t.join()
+    assert first() is None
+    # validation passes repeat: the stream wraps and keeps decoding ahead across the wrap
+    for i in (0, 1, 2, 0, 1, 2, 0):
+        got = src.batch("val", i, 4, 4, 16)
+        assert np.array_equal(_dense(got), _dense(ref._decode("val", i, 4, 4, 16)))
+        assert src._streams["val"]._pending >= 1
 
 
 def test_next_epoch_stream_is_built_ahead_and_equals_the_synchronous_decode(tmp_path):

@@ -101,8 +101,9 @@ class _Stream:
     asynchronous executor, ``DEPTH`` batches ahead of the one consumed. Files are read by DALI's
     own file reader (its threads, not Python's) from the exact list this (seed, epoch, shard)
     orders; in-memory arrays come through a callback. After the last full batch the stream wraps
-    to its first (validation passes repeat; a train stream ends with its epoch); a partial last
-    batch is not part of the stream."""
+    to its first (validation passes repeat; a train stream ends with its epoch, so it schedules
+    nothing past its last batch: no decode is left in flight when the next epoch's stream takes
+    over); a partial last batch is not part of the stream."""
 
     def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int, order=None):
         self.src, self.split, self.key, self.batch = src, split, key, batch
@@ -114,6 +115,8 @@ class _Stream:
         self._replaced = [r for _, r in batches]
         self._ids = [ids for ids, _ in batches]
         self._fed = 0
+        self._started = False  # the first schedule_run prefetches DEPTH batches, later ones one
+        self._pending = 0      # batches scheduled and not yet taken
         self._primed = False
         idx = src.index[split]
         if idx.encoded:
@@ -128,19 +131,29 @@ class _Stream:
         self._fed = (self._fed + 1) % len(self._ids)
         return self.src._samples(self.split, ids)
 
+    def _schedule(self) -> None:
+        self.pipe.schedule_run()
+        self._pending += 1 if self._started else DEPTH
+        self._started = True
+
     def prime(self) -> None:
         """Start decoding the first ``DEPTH`` batches now (the stream built ahead does this on
         its thread, so the next epoch's first batch is ready at the switch)."""
-        if not self._primed:
-            self.pipe.schedule_run()
+        if not self._started:
+            self._schedule()
             self._primed = True
 
     def run(self) -> tuple[object, np.ndarray, int]:
         """(images, the sample ids they are, how many known-bad samples were replaced)."""
-        if not self._primed:  # DALI's scheduled API: schedule one more batch, take the oldest
-            self.pipe.schedule_run()
+        # DALI's scheduled API: keep DEPTH batches scheduled ahead, take the oldest. A train
+        # stream schedules nothing past its pass (this batch and the ones after it).
+        left = self.count - self.next
+        if self._pending == 0 or (not self._primed and self._pending < DEPTH
+                                  and (self.split != "train" or self._pending < left)):
+            self._schedule()
         self._primed = False
         out = self.pipe.outputs()
+        self._pending -= 1
         k = self.next - self.first
         self.next = self.next + 1 if self.next + 1 < self.count else self.first
         ids = self._ids[k]
@@ -149,6 +162,17 @@ class _Stream:
             if not np.array_equal(got, ids):
                 raise DataError(f"data: the {self.split} reader is out of step (batch {self.first + k})")
         return out[0], ids, self._replaced[k]
+
+
+def _retire(stream: "_Stream | None") -> None:
+    """Drop a stream that is no longer read on a background thread: a pipeline's destructor
+    stops its workers and frees its buffers (device frees synchronise), which would otherwise
+    happen on the training thread at the epoch switch."""
+    if stream is None:
+        return
+    box = [stream]
+    del stream
+    threading.Thread(target=box.clear, daemon=False, name="tr_hydra-dali-retire").start()
 
 
 class _Ahead:
@@ -302,6 +326,7 @@ class DaliSource:
         key = (res, batch, epoch if split == "train" else 0)
         st = self._streams.get(split)
         if st is None or st.key != key or st.next != index:
+            _retire(self._streams.pop(split, None))
             st = self._streams[split] = self._stream_ready(split, key, index) or _Stream(self, split, key, batch, index)
             if split == "train":
                 self._build_ahead(split, key, batch)
