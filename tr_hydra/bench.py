@@ -21,6 +21,35 @@ def _sync():
         torch.cuda.synchronize()
 
 
+class _Marks:
+    """Points in a timed run, as CUDA events on the current stream (no synchronisation between
+    them, so marking does not drain the queue) or host clock readings on the CPU."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.points = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points.append(ev)
+        else:
+            self.points.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (call after a synchronisation)."""
+        p = self.points
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(p, p[1:])]
+        return [b - a for a, b in zip(p, p[1:])]
+
+
+def _epoch_rates(marks: _Marks, images: list[int]) -> list[float]:
+    """img/s of each timed part: the rest of the first epoch, then the second epoch."""
+    return [n / s if s > 0 else 0.0 for n, s in zip(images, marks.seconds())]
+
+
 def _time_steps(step, n: int, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -162,16 +191,22 @@ def e2e_tr(pc, workdir: str, warm_steps: int = 8) -> dict:
     _sync()
     first = time.perf_counter() - t0
     t1, w1, c1 = time.perf_counter(), tr.data_wait, getattr(tr.source, "copy_wait", 0.0)
+    marks = _Marks()
+    marks.mark()
     tr.run_steps(sched[warm_steps:], "train", epoch=0)  # the rest of the epoch, then a whole one
+    marks.mark()
     tr.run_steps(epoch_schedule(pc, 1), "train", epoch=1)
+    marks.mark()
     _sync()
     seconds = time.perf_counter() - t1
-    n = sum(s[2] for s in sched[warm_steps:]) + sum(s[2] for s in epoch_schedule(pc, 1))
+    parts = [sum(s[2] for s in sched[warm_steps:]), sum(s[2] for s in epoch_schedule(pc, 1))]
+    n = sum(parts)
     # where the time went: the host waiting for batches (in all, and for epoch 1's first one:
     # the epoch switch), and whether epoch 1's reader was ready in advance
     # the wait for batches includes waiting for the copy out of the previous one, which keeps
     # pace with the device (two steps queued): that part is reported apart
     return {"img_per_sec": n / seconds, "images": n, "first_step_seconds": first, "seconds": seconds,
+            "epoch_img_per_sec": _epoch_rates(marks, parts),
             "data_wait_seconds": tr.data_wait - w1,
             "copy_wait_seconds": getattr(tr.source, "copy_wait", 0.0) - c1,
             "epoch_switch_wait_seconds": tr.first_batch_wait,
@@ -199,20 +234,29 @@ def _compiled_step(model_name: str, classes: int, device, amp: bool):
 
 def _timed_epoch(batches, step, warm_steps: int, t0: float) -> dict:
     """Run ``warm_steps`` batches, then time the rest of the iterator (the rest of the first
-    epoch and all of the second, as for tr_hydra)."""
+    epoch and all of the second, as for tr_hydra). ``batches`` yields (epoch, images, labels)."""
     n = k = 0
     first = t1 = None
-    for x, y in batches:
+    marks, parts, last = _Marks(), [0], 0
+    for epoch, x, y in batches:
+        if t1 is not None and epoch != last:  # the first step of the second epoch
+            marks.mark()
+            parts.append(0)
+        last = epoch
         step(x, y)
         k += 1
         if k == warm_steps:
             _sync()
             first = time.perf_counter() - t0
             t1 = time.perf_counter()
+            marks.mark()
         elif k > warm_steps:
             n += x.shape[0]
+            parts[-1] += x.shape[0]
+    marks.mark()
     _sync()
-    return {"img_per_sec": n / (time.perf_counter() - t1), "images": n, "first_step_seconds": first}
+    return {"img_per_sec": n / (time.perf_counter() - t1), "images": n, "first_step_seconds": first,
+            "epoch_img_per_sec": _epoch_rates(marks, parts)}
 
 
 def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
@@ -233,9 +277,9 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
     step = _compiled_step(model_name, len(ds.classes), device, amp)
 
     def batches():
-        for _ in range(2):  # two epochs; the first warm_steps batches are the warm-up
+        for epoch in range(2):  # two epochs; the first warm_steps batches are the warm-up
             for x, y in dl:
-                yield (x.to(device, non_blocking=True).to(memory_format=torch.channels_last),
+                yield (epoch, x.to(device, non_blocking=True).to(memory_format=torch.channels_last),
                        y.to(device, non_blocking=True))
     return _timed_epoch(batches(), step, warm_steps, t0)
 
@@ -269,9 +313,9 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
     step = _compiled_step(model_name, len(classes), device, amp)
 
     def batches():
-        for _ in range(2):  # two epochs (auto_reset); the first warm_steps batches are the warm-up
+        for epoch in range(2):  # two epochs (auto_reset); the first warm_steps batches are the warm-up
             for d in it:
-                yield d[0]["x"].permute(0, 3, 1, 2), d[0]["y"].view(-1).long()
+                yield epoch, d[0]["x"].permute(0, 3, 1, 2), d[0]["y"].view(-1).long()
     return _timed_epoch(batches(), step, warm_steps, t0)
 
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torchvision
@@ -189,6 +190,14 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
     assert 0 <= tr["epoch_switch_wait_seconds"] <= tr["data_wait_seconds"] < tr["seconds"]
     assert 0 <= tr["copy_wait_seconds"] <= tr["data_wait_seconds"]  # part of it: the previous copy out
     assert tr["epochs_read_ahead"] == 1  # epoch 1's reader was built while epoch 0 ran
+    for r in res["modes"]:  # each part of the window timed on its own: rest of epoch 0, epoch 1
+        assert len(r["epoch_img_per_sec"]) == 2 and min(r["epoch_img_per_sec"]) > 0
+        # the parts add up to the whole window (host clock on the CPU, no gaps between marks)
+        parts = [24, 40] if r["mode"] == "tr" else None
+        if parts:
+            total = sum(n / v for n, v in zip(parts, r["epoch_img_per_sec"]))
+            assert total == pytest.approx(r["images"] / r["img_per_sec"], rel=0.05)
+    assert "epoch 0 rest / epoch 1" in out.stdout
     assert "waited" in out.stdout
     bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown ['reduce-overhead'] with bench.data" in bad.stderr

@@ -77,10 +77,12 @@ def end_to_end(pc, b, device) -> dict:
 
 def e2e_table(records: list[dict]) -> str:
     tr = next((r for r in records if r["mode"] == "tr"), None)
-    lines = [f"{'mode':<14} {'img/s':>10} {'tr_hydra x':>11} {'first step s':>13}"]
+    lines = [f"{'mode':<14} {'img/s':>10} {'tr_hydra x':>11} {'first step s':>13} {'epoch 0 rest / epoch 1':>24}"]
     for r in records:
         ratio = tr["img_per_sec"] / r["img_per_sec"] if tr else float("nan")
-        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f}")
+        parts = " / ".join(f"{v:,.0f}" for v in r.get("epoch_img_per_sec", []))
+        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f} "
+                     f"{parts:>24}")
     if tr and "data_wait_seconds" in tr:
         lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
                      f"({tr.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
