@@ -130,7 +130,8 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch):
 
 def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
     """cuBLAS keeps a workspace per stream for the whole run. Warm-up and capture run on one
-    stream, so besides the arena the run holds one workspace set, within the plan's figure."""
+    stream per device, so besides the arenas the process holds one workspace set, within the
+    plan's figure, however many trainers it builds."""
     import gc
     from tr_hydra.compiler.compile import BLAS_WORKSPACE_BYTES
     gc.collect()  # earlier tests' trainers, before the baseline
@@ -147,3 +148,12 @@ def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
     assert len(streams) <= 1, streams  # a separate warm-up stream would hold a second set
     extra = torch.cuda.memory_allocated() - base - tr.arena.arena.numel()
     assert 0 < extra <= BLAS_WORKSPACE_BYTES + 2**20, extra / 2**20
+    # a second trainer in the same process (a sweep's next job) captures on the same stream
+    # and adds no workspace set
+    tr2 = Trainer(small_config(device="cuda", amp=True), tmp_path / "second", log=lambda *_: None,
+                  telemetry=False, source=False)
+    tr2.capture()
+    torch.cuda.synchronize()
+    assert tr2.graphs.stream is tr.graphs.stream
+    extra2 = torch.cuda.memory_allocated() - base - tr.arena.arena.numel() - tr2.arena.arena.numel()
+    assert extra2 <= BLAS_WORKSPACE_BYTES + 2 * 2**20, extra2 / 2**20

@@ -9,13 +9,27 @@ import torch
 from tr_hydra.runtime.executor import BUFFERS, StepExecutor
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream per device on which every warm-up and capture of this process runs.
+    cuBLAS keeps a workspace per stream (65 MiB on the H200) for the life of the process, so
+    trainers built one after another (a sweep's jobs, tr-bench's modes) share one set instead
+    of adding one each."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
+
 class CudaGraphs:
     def __init__(self, executor: StepExecutor):
         self.ex = executor
         self.pool = torch.cuda.graph_pool_handle()
-        # warm-up and capture on one stream: cuBLAS keeps a workspace per stream (65 MiB on the
-        # H200), so a second stream would hold a second one for the whole run
-        self.stream = torch.cuda.Stream(device=executor.device)
+        # warm-up and capture on one stream (per device, shared by every trainer of the
+        # process): a second stream would hold a second cuBLAS workspace set for good
+        self.stream = capture_stream(executor.device)
         self.train: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
