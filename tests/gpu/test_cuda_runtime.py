@@ -157,3 +157,15 @@ def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
     assert tr2.graphs.stream is tr.graphs.stream
     extra2 = torch.cuda.memory_allocated() - base - tr.arena.arena.numel() - tr2.arena.arena.numel()
     assert extra2 <= BLAS_WORKSPACE_BYTES + 2 * 2**20, extra2 / 2**20
+
+
+def test_close_destroys_the_captured_graphs(tmp_path):
+    tr = _train(small_config(device="cuda", max_steps=4, epochs=1), tmp_path, "run")
+    graphs = tr.graphs
+    assert graphs is not None and graphs.train and graphs.val
+    kept = list(graphs.train.values()) + list(graphs.val.values())
+    tr.close()
+    assert tr.graphs is None and not graphs.train and not graphs.val
+    for g in kept:  # reset: nothing left to replay
+        with pytest.raises(RuntimeError):
+            g.replay()

@@ -1,6 +1,7 @@
 """Data parallel on CPU with gloo and 2 processes launched by torchrun."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,14 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
         assert err <= 1e-5, (k, err)
     # only rank 0 keeps a run dir with files
     assert (tmp_path / "two" / "metrics.json").is_file() and (tmp_path / "two" / "tb").is_dir()
+    # the ranks start the clock together, and say how long each waited for the others
+    assert "all 2 ranks ready; waited for the others: rank 0" in two.stdout
+    summary = json.loads((tmp_path / "two" / "metrics.json").read_text())["summary"]
+    assert len(summary["start_wait_seconds"]) == 2 and min(summary["start_wait_seconds"]) >= 0
+    assert "start_wait_seconds" not in json.loads((tmp_path / "one" / "metrics.json").read_text())["summary"]
+    # the run's own log, kept in its run dir, holds what stdout said
+    log = (tmp_path / "two" / "train.log").read_text()
+    assert "weights identical on all 2 ranks" in log and "done: " in log
 
 
 def test_two_ranks_checkpoint_and_resume(tmp_path):

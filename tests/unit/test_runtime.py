@@ -268,3 +268,41 @@ def test_predicted_need_counts_one_set_of_blas_workspaces_on_cuda():
         c = compile_plan(small_config(device=device, amp=True))
         assert c.library_workspace == lib
         assert c.predicted_need == c.plan.total_bytes + c.activation_estimate + c.gradient_transient + lib
+
+
+def test_exit_destroys_graphs_before_the_process_group(monkeypatch):
+    """A captured NCCL collective holds the communicator: the graphs must go first, and the group
+    is destroyed even when releasing the graphs fails."""
+    import tr_hydra.runtime.distributed as distributed
+    from tr_hydra.cli.train import _close
+    order = []
+    monkeypatch.setattr(distributed, "shutdown", lambda: order.append("process group"))
+
+    class Fake:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def close(self):
+            order.append("graphs")
+            if self.fail:
+                raise RuntimeError("device lost")
+
+    _close(Fake())
+    assert order == ["graphs", "process group"]
+    order.clear()
+    with pytest.raises(RuntimeError, match="device lost"):
+        _close(Fake(fail=True))
+    assert order == ["graphs", "process group"]
+
+
+def test_run_log_keeps_lines_and_the_error_that_ended_the_run(tmp_path, capsys):
+    from tr_hydra.cli.train import _RunLog
+    say = _RunLog(str(tmp_path))
+    with pytest.raises(ValueError):
+        with say.errors():
+            say("epoch   1  step 10")
+            raise ValueError("bad batch")
+    assert "epoch   1  step 10" in capsys.readouterr().out
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert lines[0].endswith("] epoch   1  step 10")
+    assert lines[1].endswith("] stopped: ValueError: bad batch")

@@ -1,7 +1,9 @@
 """tr-train: compose (Hydra), compile, allocate, capture and train. Sweeps with -m."""
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 
 from tr_hydra.cli._common import compose, fail, user_errors
 from tr_hydra.config.locate import config_dir
@@ -15,6 +17,47 @@ def _overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra")]
 
 
+def _close(trainer) -> None:
+    """The graphs first, then the process group: a graph holding an NCCL collective keeps the
+    communicator alive, and destroying the group would wait for it for ever."""
+    from tr_hydra.runtime.distributed import shutdown
+    try:
+        trainer.close()
+    finally:
+        shutdown()
+
+
+class _RunLog:
+    """What a run says: on stdout, and appended, time-stamped, to the run dir's train.log (the
+    file Hydra names after the job), so the log is kept with the run."""
+
+    def __init__(self, run_dir: str):
+        from pathlib import Path
+        self.path = Path(run_dir) / "train.log"
+
+    def __call__(self, msg: str) -> None:
+        print(msg, flush=True)
+        try:
+            with open(self.path, "a") as f:
+                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
+        except OSError:  # a full or read-only disk must not stop training: stdout still has it
+            pass
+
+    @contextlib.contextmanager
+    def errors(self):
+        """An error that ends the run is written to train.log too (stderr says it as well)."""
+        try:
+            yield
+        except BaseException as e:
+            msg = f"stopped: {type(e).__name__}: {e}".rstrip(": ")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
+            except OSError:
+                pass
+            raise
+
+
 def run(cfg) -> dict:
     """The Hydra task: one training run in the Hydra run dir."""
     from hydra.core.hydra_config import HydraConfig
@@ -24,28 +67,27 @@ def run(cfg) -> dict:
     with user_errors("tr-train"):
         pc = plan_config_from(cfg)
         run_dir = HydraConfig.get().runtime.output_dir
-        trainer = Trainer(pc, run_dir)
-        if not trainer.is_main:
+        say = _RunLog(run_dir)
+        with say.errors():
+            trainer = Trainer(pc, run_dir, log=say)
+            if not trainer.is_main:
+                try:
+                    trainer.fit()
+                finally:
+                    _close(trainer)
+                return {}
+            say(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
+                f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}")
             try:
-                trainer.fit()
+                result = trainer.fit()
             finally:
-                from tr_hydra.runtime.distributed import shutdown
-                shutdown()
-            return {}
-        print(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
-              f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}",
-              flush=True)
-        try:
-            result = trainer.fit()
-        finally:
-            from tr_hydra.runtime.distributed import shutdown
-            shutdown()
+                _close(trainer)
     if result.preempted:
         return {}
     last = result.epochs[-1] if result.epochs else {}
-    print(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
-          f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "
-          f"weights in {result.final_path}", flush=True)
+    say(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
+        f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "
+        f"weights in {result.final_path}")
     return last
 
 

@@ -111,6 +111,15 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def all_gather(ctx: DistContext, obj) -> list:
+    """Every rank's ``obj``, in rank order."""
+    if ctx.world_size <= 1:
+        return [obj]
+    got: list = [None] * ctx.world_size
+    dist.all_gather_object(got, obj)
+    return got
+
+
 def weights_agree(ctx: DistContext, t: torch.Tensor) -> bool:
     """Whether every rank holds the same bytes (compared by a checksum of the span)."""
     if ctx.world_size <= 1:

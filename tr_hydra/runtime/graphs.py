@@ -93,3 +93,13 @@ class CudaGraphs:
 
     def val_step(self, variant: str, buffer: str) -> None:
         self.val[(variant, buffer)].replay()
+
+    def release(self) -> None:
+        """Destroy every captured graph once the device is done with them. A graph that recorded
+        an NCCL collective holds a reference on the communicator, and destroying the process
+        group waits for those references: without this, a ddp run hangs at exit."""
+        torch.cuda.synchronize(self.ex.device)
+        for g in (*self.train.values(), *self.val.values()):
+            g.reset()
+        self.train.clear()
+        self.val.clear()

@@ -88,6 +88,7 @@ class TrainResult:
     img_per_sec: float = 0.0
     arena_bytes: int = 0
     capture_seconds: float = 0.0
+    start_wait_seconds: list[float] = field(default_factory=list)  # per rank, at the start barrier
     peak_device_bytes: int = 0
     final_path: str | None = None
 
@@ -149,6 +150,13 @@ class Trainer:
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
         # resumed follows the same learning-rate curve as one that never stopped)
         self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
+
+    def close(self) -> None:
+        """Release the captured graphs (before the process group is destroyed: see
+        ``CudaGraphs.release``). The trainer cannot step afterwards."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def _make_source(self):
         pc = self.pc
@@ -330,12 +338,27 @@ class Trainer:
         barrier(self.dist)
         return path
 
+    def _start_together(self) -> list[float]:
+        """Under ddp, every rank waits here until all have compiled and captured: the first
+        all-reduce would wait anyway, but inside the clock of the first steps. Returns each
+        rank's wait (the largest is the ranks' start-up skew)."""
+        if self.dist.world_size <= 1:
+            return []
+        from tr_hydra.runtime.distributed import all_gather, barrier
+        t = time.perf_counter()
+        barrier(self.dist)
+        waits = all_gather(self.dist, time.perf_counter() - t)
+        self.log("all {} ranks ready; waited for the others: {}".format(
+            len(waits), ", ".join(f"rank {r} {w:.1f}s" for r, w in enumerate(waits))))
+        return waits
+
     def fit(self) -> TrainResult:
         from tr_hydra.telemetry.tensorboard import Telemetry
         res = TrainResult(arena_bytes=self.compiled.plan.total_bytes)
         start_epoch, step, history = self._resume_point()
         self.capture()  # after the restore: warm-up snapshots and restores the resumed state
         res.capture_seconds = self.graphs.capture_seconds if self.graphs else 0.0
+        res.start_wait_seconds = self._start_together()
         tel = Telemetry(self.run_dir, self.compiled, self.arena, enabled=self.telemetry,
                         grads_16bit=self.ex.grads_read_16bit)
         tel.start(step)
@@ -371,6 +394,8 @@ class Trainer:
                    "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
                    "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
                    "steps": step}
+        if res.start_wait_seconds:
+            summary["start_wait_seconds"] = res.start_wait_seconds
         res.summary = summary
         self.write_metrics(history, summary)
         tel.close(_jsonable(self.pc.to_dict()), summary)
