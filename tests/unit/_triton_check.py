@@ -197,8 +197,9 @@ def check_nonfinite(dev) -> list[str]:
 
 def check_executor_fuses_update_and_cast(dev) -> list[str]:
     """Training with the fused kernels (the weight update reading the 16-bit gradients and
-    writing the 16-bit compute copy, both cast nodes skipped) ends where the plain-torch
-    reference ends; a non-finite 16-bit gradient still skips the step and is named."""
+    writing the 16-bit compute copy, both cast nodes skipped, the fp32 matrix gradient regions
+    left out of the plan) ends where the plain-torch reference ends; a non-finite 16-bit
+    gradient still skips the step and is named."""
     import dataclasses
     from tests.helpers import small_config
     from tr_hydra.runtime.runner import Trainer
@@ -214,6 +215,11 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
             casts = sorted(n.op for n in tr.compiled.program.train if id(n) in tr.ex._fused_away)
             if casts != ["RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"]:
                 failures.append(f"executor: expected both casts fused into the update, got {casts}")
+            from tr_hydra.memory.regions import Region
+            unused = {r.name: tr.compiled.plan.region_size[r]
+                      for r in (Region.G_FC_WEIGHT, Region.G_FIRST_CONV, Region.G_DEEP_CONV)}
+            if any(unused.values()):  # the update reads the 16-bit gradients: no fp32 twins
+                failures.append(f"plan: fp32 matrix gradients kept under fused AMP: {unused}")
         a = tr.arena
         from tr_hydra.memory.regions import MATRIX_KINDS, series_span
         states[kernels] = (a.span(*series_span("W", MATRIX_KINDS)).clone(),

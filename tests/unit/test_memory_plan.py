@@ -195,3 +195,37 @@ def test_each_region_in_named_order():
     convs = [n for n, p in meta.named_parameters() if p.dim() == 4][1:]
     assert [t.name for t in plan.tensors_in(R.W_DEEP_CONV)] == convs
     assert [t.name for t in plan.tensors_in(R.G_DEEP_CONV)] == ["grad." + c for c in convs]
+
+
+def test_fused_amp_plan_leaves_the_fp32_matrix_gradients_out():
+    """Under AMP with the fused kernels the update reads the 16-bit gradients: the fp32 matrix
+    gradient regions are empty, the arena shrinks by exactly their slots (slot rule by hand:
+    2 * align256(2 * numel + 16) per fp32 tensor, over torchvision's own conv and fc weights), and
+    no other region moves in size."""
+    import torch
+    with torch.device("meta"):
+        meta = torchvision.models.resnet50(num_classes=10)
+    pc = small_config(model="resnet50", amp=True)
+    ref = build_plan(pc, map_model(meta), fused=False)
+    fused = build_plan(pc, map_model(meta), fused=True)
+    matrices = [p for p in meta.parameters() if p.dim() in (2, 4)]
+    slots = sum(2 * ((2 * p.numel() + 16 + 255) // 256 * 256) for p in matrices)
+    gone = {R.G_FC_WEIGHT, R.G_FIRST_CONV, R.G_DEEP_CONV}
+    assert sum(ref.region_size[r] for r in gone) == slots
+    assert ref.total_bytes - fused.total_bytes == slots
+    for r in R:
+        assert fused.region_size[r] == (0 if r in gone else ref.region_size[r]), r.name
+    # without AMP the fp32 gradients are the gradients: the fused kernels change nothing
+    fp32 = small_config(model="resnet50")
+    assert build_plan(fp32, map_model(meta), fused=True).total_bytes == build_plan(fp32, map_model(meta), fused=False).total_bytes
+    with pytest.raises(PlanError, match="cannot be left out"):
+        PlanConditions(amp=False, matrix_grads_fp32=False)
+
+
+def test_executor_refuses_a_plan_without_the_gradients_it_would_write(tmp_path, monkeypatch):
+    from tr_hydra.runtime import runner
+    real = runner.compile_plan
+    monkeypatch.setattr(runner, "compile_plan", lambda pc, fused=None: real(pc, fused=True))
+    pc = small_config(amp=True)  # on the CPU: the plain-torch kernels, which write them
+    with pytest.raises(RuntimeError, match="leaves the fp32 matrix gradients out.*no fused kernels"):
+        runner.Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)

@@ -10,7 +10,7 @@ from tr_hydra.compiler.analysis import ModelMap, ShapeReport, map_model, propaga
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ModelMappingError
 from tr_hydra.memory.plan import MemoryPlan
-from tr_hydra.memory.regions import SERIES_KINDS
+from tr_hydra.memory.regions import SERIES_KINDS, region_for
 from tr_hydra.models.registry import build_model
 
 
@@ -80,8 +80,22 @@ def twin_series(pc: PlanConfig) -> tuple[str, ...]:
     return tuple(s)
 
 
-def build_plan(pc: PlanConfig, model_map: ModelMap) -> MemoryPlan:
-    plan = MemoryPlan(pc.conditions)
+def fused_update_reads_16bit(pc: PlanConfig, fused: bool | None = None) -> bool:
+    """Whether the weight update will read the 16-bit matrix gradients itself (AMP with the
+    fused kernels), so that the fp32 matrix gradient regions stay empty. ``fused``: whether the
+    run uses the fused kernels (the trainer knows; ``None``: as ``runtime.kernels`` says for a
+    run on ``runtime.device``, ``auto`` counting as a CUDA machine with Triton, as tr-plan
+    assumes)."""
+    if fused is None:
+        k = pc.runtime.kernels
+        fused = k == "triton" or (k == "auto" and pc.runtime.device != "cpu")
+    return pc.amp and fused
+
+
+def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -> MemoryPlan:
+    import dataclasses
+    plan = MemoryPlan(dataclasses.replace(
+        pc.conditions, matrix_grads_fp32=not fused_update_reads_16bit(pc, fused)))
     for bn in model_map.bns:
         plan.alloc_bn_stats(f"{bn.module}.running_mean", f"{bn.module}.running_var", bn.channels)
     if pc.ema:
@@ -108,7 +122,7 @@ def build_plan(pc: PlanConfig, model_map: ModelMap) -> MemoryPlan:
             plan.alloc_eq_bias(bn.module, bn.channels)
     for series in twin_series(pc):
         for t in masters:
-            if t.kind in SERIES_KINDS[series]:
+            if t.kind in SERIES_KINDS[series] and region_for(series, t.kind) in plan.enabled:
                 plan.alloc_twin(series, t)
     variants = {v.name: (v.batch, v.res, v.train) for v in pc.variants}
     plan.alloc_baseline_dtensors(variants, pc.data.channels, pc.model.num_classes)
@@ -121,13 +135,14 @@ def instantiate_model(pc: PlanConfig, device: str | torch.device = "cpu") -> nn.
                            zero_init_residual=pc.model.zero_init_residual, width=pc.model.width)
 
 
-def compile_plan(pc: PlanConfig) -> Compiled:
-    """Everything decided before the first step: runs on the meta device, needs no GPU."""
+def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
+    """Everything decided before the first step: runs on the meta device, needs no GPU.
+    ``fused``: whether the run will use the fused kernels (see ``fused_update_reads_16bit``)."""
     from tr_hydra.compiler.program import build_program
 
     meta_model = instantiate_model(pc, "meta")
     model_map = map_model(meta_model, pc.data.channels)
-    plan = build_plan(pc, model_map)
+    plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train)

@@ -115,6 +115,9 @@ def build_program(compiled) -> StepProgram:
     g_bias, g_mat = series_span("G", BIAS_KINDS), series_span("G", MATRIX_KINDS)
     w_bias, w_mat = series_span("W", BIAS_KINDS), series_span("W", MATRIX_KINDS)
     state = pc.conditions.state_series
+    # AMP with the fused kernels: the plan leaves the fp32 matrix gradients out; the update reads
+    # the 16-bit ones (unscaling fp16) in place of the cast below
+    g16_read = amp and not compiled.plan.conditions.matrix_grads_fp32
 
     t: list[Node] = [
         Node(GraphId.ZERO_GRAD, RangeOp.RANGE_CLEAR.value, ((R.R_RESULT, R.R_RESULT),),
@@ -138,7 +141,9 @@ def build_program(compiled) -> StepProgram:
     if amp:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_CAST_FP16_TO_FP32.value,
                       (g_mat, series_span("G16", MATRIX_KINDS)),
-                      args=(("scale", "inv_loss_scale" if fp16 else ""),)))
+                      args=(("scale", "inv_loss_scale" if fp16 else ""),),
+                      note=("no pass of its own: the weight update reads the 16-bit gradients; "
+                            "the fp32 side is empty") if g16_read else ""))
     if fp16:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_GRAD_SCALING.value,
                       ((R.G_BN_BIAS, R.G_FC_BIAS),), args=(("scale", "inv_loss_scale"),),
@@ -161,7 +166,8 @@ def build_program(compiled) -> StepProgram:
     if opt == "lars":
         wspans += (series_span("N", MATRIX_KINDS),)
     t.append(Node(GraphId.OPTIMIZER, weight_op.value, wspans, args=(("wd", "weight_decay"),) + gate,
-                  note="fc weight, first conv, deep convs"))
+                  note="fc weight, first conv, deep convs"
+                  + ("; gradients read from G_FC_WEIGHT_FP16..G_DEEP_CONV_FP16" if g16_read else "")))
     if fp16:
         t.append(Node(GraphId.OPTIMIZER, RangeOp.RANGE_GRAD_SCALING.value, (),
                       args=(("update", "loss_scale"),), note="back off on inf, grow after clean steps"))

@@ -34,10 +34,16 @@ class PlanConditions:
     amp: bool = False
     ema: bool = False
     bn_folded: bool = False
+    # the fp32 matrix gradient regions (G_FC_WEIGHT, G_FIRST_CONV, G_DEEP_CONV). Under AMP with
+    # the fused kernels the weight update reads the 16-bit gradients directly, so nothing writes
+    # or reads these: they are left empty. Without AMP they are the gradients themselves.
+    matrix_grads_fp32: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE:
             raise PlanError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
+        if not self.amp and not self.matrix_grads_fp32:
+            raise PlanError("without AMP the fp32 matrix gradients are the gradients: they cannot be left out")
 
     @property
     def state_series(self) -> tuple[str, ...]:
@@ -52,7 +58,8 @@ def enabled_regions(c: PlanConditions) -> frozenset[Region]:
     if c.bn_folded:
         on |= {R.W_EQ_BIAS, R.W_EQ_SCALE}
     on |= {region_for("W", k) for k in PARAM_KINDS}
-    on |= {region_for("G", k) for k in PARAM_KINDS}
+    on |= {region_for("G", k) for k in PARAM_KINDS
+           if c.matrix_grads_fp32 or k not in MATRIX_KINDS}
     on.add(R.R_RESULT)
     if c.ema:
         on |= {region_for("E", k) for k in PARAM_KINDS}
@@ -358,6 +365,8 @@ def validate_layer_correspondence(plan: MemoryPlan) -> None:
         + (["E16"] if c.ema and c.amp else []) + list(c.state_series)
     for series in twins:
         for kind in SERIES_KINDS[series]:
+            if region_for(series, kind) not in plan.enabled:
+                continue  # left empty by the conditions (fp32 matrix gradients under fused AMP)
             ref = _kind_shapes(plan, "W", kind)
             got = _kind_shapes(plan, series, kind)
             region = region_for(series, kind)

@@ -81,6 +81,21 @@ class StepContext:
     extra: dict = field(default_factory=dict)
 
 
+def fused_kernels(kernels: str, device_type: str):
+    """``runtime.kernels`` resolved: the Triton fast path (module), or None for the plain-torch
+    reference. The plan depends on it (``compile_plan(fused=...)``)."""
+    if kernels == "torch" or (kernels == "auto" and device_type != "cuda"):
+        return None
+    try:
+        from tr_hydra.ops import triton_ops
+    except Exception as e:  # no Triton: the reference is always there
+        if kernels == "triton":
+            from tr_hydra.errors import ConfigError
+            raise ConfigError(f"runtime.kernels=triton: Triton is not usable here ({type(e).__name__})") from None
+        return None
+    return triton_ops
+
+
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
@@ -124,28 +139,21 @@ class StepExecutor:
         self._grad_views = [p.grad for p in self._params]
         if any(g is None for g in self._grad_views):
             raise ValueError("bind the model to the arena before building its executor")
-        self.fused = self._fused_ops()
+        self.fused = fused_kernels(self.pc.runtime.kernels, self.device.type)
         self._half_out, self._fused_away = self._update_cast_pairs(compiled.program.train)
         self._grad16_in, away = self._grad_cast_pairs(compiled.program.train)
         self._fused_away |= away
+        if not compiled.plan.conditions.matrix_grads_fp32:
+            left = [n.op for n in compiled.program.train
+                    if n.op == "RANGE_CAST_FP16_TO_FP32" and id(n) not in away]
+            if self.fused is None or left:
+                raise RuntimeError("the plan leaves the fp32 matrix gradients out, but this executor "
+                                   f"would write them ({'no fused kernels' if self.fused is None else left}); "
+                                   "compile the plan with the executor's kernel choice")
         self.train_ops = [self._resolve(n) for n in compiled.program.train]
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
         self.init_scalars()
-
-    def _fused_ops(self):
-        """The Triton fast path, or None for the plain-torch reference."""
-        choice = self.pc.runtime.kernels
-        if choice == "torch" or (choice == "auto" and self.device.type != "cuda"):
-            return None
-        try:
-            from tr_hydra.ops import triton_ops
-        except Exception as e:  # no Triton: the reference is always there
-            if choice == "triton":
-                from tr_hydra.errors import ConfigError
-                raise ConfigError(f"runtime.kernels=triton: Triton is not usable here ({type(e).__name__})") from None
-            return None
-        return triton_ops
 
     def _update_cast_pairs(self, nodes) -> tuple[dict, set]:
         """With the fused kernels, a weight update followed (later in the step) by the cast of

@@ -108,7 +108,9 @@ class Trainer:
         self.log = log if self.is_main else (lambda *_: None)
         self.telemetry = telemetry and self.is_main
         set_determinism(pc)
-        self.compiled: Compiled = compile_plan(pc)
+        from tr_hydra.runtime.executor import fused_kernels
+        self.compiled: Compiled = compile_plan(
+            pc, fused=fused_kernels(pc.runtime.kernels, self.device.type) is not None)
         distributed.check_same_plan(self.dist, pc.fingerprint(), pc.describe())
         self.lr_scale = 1.0
         if pc.dist.lr_scaling == "linear":
