@@ -85,3 +85,33 @@ def test_a_variant_whose_child_has_not_started_is_compiled_in_the_main_process()
         pre.close()
     assert s["train_last"]["ok"] and s["val_base"]["ok"] is None
     assert pre.children[1].proc is None  # and never started afterwards
+
+
+def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
+    """runtime.precompile_first: the first variant is compiled (and autotuned) in a child too,
+    and the main process waits for it like for the others."""
+    import dataclasses
+    import torch
+    from tr_hydra.runtime.runner import Trainer
+    assert pcm.requested_workers("auto", 6, 1, 64, first=True) == 6
+    assert pcm.requested_workers("auto", 1, 1, 64, first=True) == 1    # one variant: still a child
+    assert pcm.requested_workers("auto", 1, 1, 64) == 0
+    assert pcm.requested_workers("auto", 6, 2, 64, first=True) == 0    # ddp: off unless asked for
+    assert pcm.requested_workers(0, 6, 1, 64, first=True) == 0
+    seen = {}
+
+    class Fake:
+        def __init__(self, pc, order, n, log=None, device_index=0):
+            seen.update(order=order, n=n)
+
+    monkeypatch.setattr(pcm, "Precompiler", Fake)
+    monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
+    for first, want in ((False, [("train_last", True), ("val_base", False)]),
+                        (True, [("train_base", True), ("train_last", True), ("val_base", False)])):
+        pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=8, precompile_first=first))
+        tr = Trainer(pc, tmp_path / str(first), log=lambda *_: None, telemetry=False, source=False)
+        tr.inductor = True  # as on CUDA with runtime.compile=auto
+        assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), Fake)
+        assert seen["order"] == want and seen["n"] == len(want)

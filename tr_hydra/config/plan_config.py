@@ -92,6 +92,7 @@ class RuntimeSpec:
     channels_last: bool = True
     kernels: str = "auto"
     precompile: str | int = "auto"
+    precompile_first: bool = False
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,7 @@ class RuntimeConfig:
     channels_last: bool = True
     kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
+    precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
 
 
 @dataclass

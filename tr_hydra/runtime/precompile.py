@@ -27,18 +27,20 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
-def requested_workers(spec, n_variants: int, world_size: int, cpus: int) -> int:
+def requested_workers(spec, n_variants: int, world_size: int, cpus: int, first: bool = False) -> int:
     """Children wanted by ``runtime.precompile`` (``auto`` or a count; 0 is off), before the
-    device-memory limit: never more than the variants after the first; ``auto`` uses a third of
-    the cores (each compile is one busy host thread plus Triton's compile pool) and stays off
-    under ddp, where the ranks already compile side by side."""
-    if n_variants < 2:
+    device-memory limit: never more than the variants after the first (all of them with
+    ``first``: ``runtime.precompile_first``); ``auto`` uses a third of the cores (each compile is
+    one busy host thread plus Triton's compile pool) and stays off under ddp, where the ranks
+    already compile side by side."""
+    todo = n_variants if first else n_variants - 1
+    if todo < 1:
         return 0
     if spec == "auto":
         if world_size > 1:
             return 0
-        return max(0, min(n_variants - 1, cpus // 3))
-    return max(0, min(n_variants - 1, int(spec)))
+        return max(0, min(todo, cpus // 3))
+    return max(0, min(todo, int(spec)))
 
 
 def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: int, headroom: float) -> int:

@@ -209,14 +209,18 @@ class Trainer:
                  f"in {self.graphs.capture_seconds:.1f}s")
 
     def _precompiler(self, train_v: list[str], val_v: list[str]):
-        """Parallel compiles of every variant after the first (``runtime.precompile``), or None."""
+        """Parallel compiles of every variant after the first (``runtime.precompile``; the first
+        too with ``runtime.precompile_first``, the main process then loading all of them, Triton's
+        autotuning results included, from the caches), or None."""
         from tr_hydra.runtime import precompile as pcm
         from tr_hydra.runtime.guards import HEADROOM
         if not self.inductor or not pcm.caches_enabled():
             return None
-        order = ([(v, True) for v in train_v] + [(v, False) for v in val_v])[1:]
+        first = self.pc.runtime.precompile_first
+        every = [(v, True) for v in train_v] + [(v, False) for v in val_v]
+        order = every if first else every[1:]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        want = pcm.requested_workers(self.pc.runtime.precompile, len(order) + 1, self.pc.world_size, cpus)
+        want = pcm.requested_workers(self.pc.runtime.precompile, len(every), self.pc.world_size, cpus, first)
         free, _ = torch.cuda.mem_get_info(self.device)
         n = pcm.memory_limited(want, free, self.compiled.plan.total_bytes + self.compiled.gradient_transient
                                + self.compiled.library_workspace,
@@ -225,7 +229,8 @@ class Trainer:
             if want:
                 self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
             return None
-        self.log(f"compiling {len(order) + 1} variants: {(train_v + val_v)[0]} here, "
+        here = "" if first else f"{(train_v + val_v)[0]} here, "
+        self.log(f"compiling {len(every)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0)
 
