@@ -209,14 +209,22 @@ def test_smaller_train_size_takes_a_spread_over_classes(tmp_path):
         DaliSource(folder_config(tmp_path, train=6, val=13), torch.device("cpu"), torch.float32)
 
 
+def _retired():
+    for t in threading.enumerate():  # replaced streams are dropped on a background thread
+        if t.name == "tr_hydra-dali-retire":
+            t.join()
+
+
 def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
-    """Full batches come from the asynchronous stream (DALI's file reader, decoding ahead), the
-    partial last batch from the synchronous path; both give exactly the epoch's order. A
-    request out of sequence (a resumed position) restarts the stream there."""
+    """The batches come from one asynchronous stream (DALI reading the files, decoding ahead),
+    the partial last batch and the next epoch's first batches included; they are exactly the
+    epoch's order and equal the synchronous decode. A request out of sequence (a resumed
+    position) starts a new stream there."""
     make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
-    pc = folder_config(tmp_path, shuffle=True, train=13, val=13)
+    pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, train=13, val=13), trainer=TrainerSpec(epochs=2))
     src = DaliSource(pc, torch.device("cpu"), torch.float32)
     ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    stream = None
     for epoch in (0, 1):
         order = src.order("train", epoch)
         for i, size in ((0, 4), (1, 4), (2, 4), (3, 1)):
@@ -224,49 +232,81 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
             want = ref._decode("train", i, 4, size, 16, epoch)
             assert np.array_equal(_dense(got), _dense(want))
             assert got.labels.tolist() == ref.index["train"].labels[order[i * 4:i * 4 + size]].tolist()
-            if size == 4:
-                assert src._streams["train"].next == (i + 1) % 3
-            if i == 2:  # the epoch's last full batch: nothing left decoding past the epoch
-                assert src._streams["train"]._pending == 0
-    first = weakref.ref(src._streams["train"])
+            stream = stream or src._streams["train"]
+            assert src._streams["train"] is stream  # one stream for both epochs
+            if (epoch, i) == (0, 3):  # the epoch's end: the next epoch's first batches are decoding
+                assert [f[0] for f in stream.fed] == [(1, 0)]
+    assert src.ahead_used == 1
+    assert stream.peek() is None and not stream.fed  # nothing decoding past the last epoch
+    first = weakref.ref(stream)
+    del stream
     b = src.batch("train", 2, 4, 4, 16, epoch=1)  # out of sequence: a new stream from batch 2
-    assert src._streams["train"] is not first() and src._streams["train"].first == 2
+    assert src._streams["train"] is not first() and src._streams["train"].peek() == (1, 3)
     assert np.array_equal(_dense(b), _dense(ref._decode("train", 2, 4, 4, 16, 1)))
-    for t in threading.enumerate():  # the replaced stream is dropped on a background thread
-        if t.name == "tr_hydra-dali-retire":
-            t.join()
+    _retired()
     assert first() is None
-    # validation passes repeat: the stream wraps and keeps decoding ahead across the wrap
-    for i in (0, 1, 2, 0, 1, 2, 0):
-        got = src.batch("val", i, 4, 4, 16)
-        assert np.array_equal(_dense(got), _dense(ref._decode("val", i, 4, 4, 16)))
-        assert src._streams["val"]._pending >= 1
+    # validation passes repeat: the stream wraps (the partial batch included) and keeps decoding
+    # ahead across the wrap
+    for i in (0, 1, 2, 3, 0, 1, 2, 3, 0):
+        size = 1 if i == 3 else 4
+        got = src.batch("val", i, 4, size, 16)
+        assert np.array_equal(_dense(got), _dense(ref._decode("val", i, 4, size, 16)))
+        assert len(src._streams["val"].fed) >= 1
 
 
-def test_next_epoch_stream_is_built_ahead_and_equals_the_synchronous_decode(tmp_path):
-    """While an epoch runs, the next epoch's stream is built and started on a background thread;
-    its batches are exactly that epoch's order. No stream is built past the last epoch, and a guess
-    that does not match the request (another resolution) is dropped."""
-    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
-    pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, train=13, val=13), trainer=TrainerSpec(epochs=3))
+def _draw(src, plan):
+    return [_dense(src.batch("train", i, 4, size, res, epoch=e)).copy() for e, i, size, res in plan]
+
+
+def _plan(pc, epochs):
+    from tr_hydra.runtime.schedule import epoch_schedule
+    return [(e, i, size, pc.variant(v).res) for e in epochs for v, i, size in epoch_schedule(pc, e)]
+
+
+@pytest.mark.parametrize("stop", ["epoch_end", "mid_epoch"])
+def test_resumed_stream_draws_the_same_crops(tmp_path, stop):
+    """Augmentation draws come from the stream's generators, which run on across epochs; a
+    source restored from ``state()`` (through a checkpoint file) draws exactly the crops and
+    flips of a run that never stopped, at an epoch end and mid-epoch (a stopped run has taken
+    the batch after its last step). Without the state the crops differ."""
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4), size=24)
+    pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, augment=True, train=13, val=13),
+                             trainer=TrainerSpec(epochs=3))
+    plan = _plan(pc, (0, 1, 2))
+    full = _draw(DaliSource(pc, torch.device("cpu"), torch.float32), plan)
+    cut = 4 if stop == "epoch_end" else 6          # the first batch the resumed run asks for
+    taken = cut if stop == "epoch_end" else cut + 1  # what the stopped run took from its stream
+    first = DaliSource(pc, torch.device("cpu"), torch.float32)
+    assert all(np.array_equal(a, b) for a, b in zip(_draw(first, plan[:taken]), full))
+    torch.save({"data": [first.state()]}, tmp_path / "ck.pt")
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)["data"][0]
+    again = DaliSource(pc, torch.device("cpu"), torch.float32)
+    again.restore(state)
+    rest = _draw(again, plan[cut:])
+    assert all(np.array_equal(a, b) for a, b in zip(rest, full[cut:]))
+    fresh = DaliSource(pc, torch.device("cpu"), torch.float32)
+    assert not all(np.array_equal(a, b) for a, b in zip(_draw(fresh, plan[cut:]), full[cut:]))
+
+
+def test_stream_stops_at_a_change_of_resolution(tmp_path):
+    """Low-resolution epochs, then full resolution: the low-resolution stream decodes nothing
+    past its last epoch; the full-resolution one starts at the switch and equals the synchronous
+    decode."""
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4), size=20)
+    pc = dataclasses.replace(folder_config(tmp_path, train=13, val=13), lowres_epochs=1, trainer=TrainerSpec(epochs=2))
+    pc = dataclasses.replace(pc, variants=small_config(train_size=13, val_size=13, batch=4, val_batch=4, res=16,
+                                                      lowres_epochs=1, num_classes=3).variants)
     src = DaliSource(pc, torch.device("cpu"), torch.float32)
     ref = DaliSource(pc, torch.device("cpu"), torch.float32)
-    for epoch in (0, 1, 2):
-        for i, size in ((0, 4), (1, 4), (2, 4), (3, 1)):
-            got = src.batch("train", i, 4, size, 16, epoch=epoch)
-            assert np.array_equal(_dense(got), _dense(ref._decode("train", i, 4, size, 16, epoch)))
-            if i == 0 and epoch < 2:
-                ahead = src._ahead["train"]
-                assert ahead.key == (16, 4, epoch + 1)
-                ahead._thread.join()
-                assert ahead.stream._primed  # its first batches are decoding before the switch
-        assert ("train" in src._ahead) == (epoch < 2)
-    assert src.ahead_used == 2
-    src = DaliSource(pc, torch.device("cpu"), torch.float32)
-    src.batch("train", 0, 4, 4, 16, epoch=0)
-    got = src.batch("train", 0, 4, 4, 12, epoch=1)  # not the guessed resolution: built in place
-    assert src.ahead_used == 0 and src._ahead["train"].key == (12, 4, 2)
-    assert np.array_equal(_dense(got), _dense(ref._decode("train", 0, 4, 4, 12, 1)))
+    plan = _plan(pc, (0, 1))
+    assert {p[3] for p in plan[:4]} == {12} and {p[3] for p in plan[4:]} == {16}
+    for e, i, size, res in plan:
+        got = src.batch("train", i, 4, size, res, epoch=e)
+        assert np.array_equal(_dense(got), _dense(ref._decode("train", i, 4, size, res, e)))
+        if (e, i) == (0, 3):
+            low = src._streams["train"]
+            assert low.peek() is None and not low.fed
+    assert src._streams["train"].key == (16, 4) and src.ahead_used == 0
 
 
 def test_dali_threads_auto_shares_the_cores_among_local_ranks(monkeypatch):
@@ -277,3 +317,27 @@ def test_dali_threads_auto_shares_the_cores_among_local_ranks(monkeypatch):
     assert dali_threads("auto", 4, cpus=2) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's figure wins over the fallback
     assert dali_threads("auto", 8, cpus=16) == 4
+
+
+def test_training_resumed_mid_epoch_on_jpegs_is_exact(tmp_path):
+    """Augmented JPEG training, 3 epochs in one run == stopped mid-epoch (max_steps), resumed,
+    finished: identical weights, since the checkpoint carries the input stream's state."""
+    import json
+    from tr_hydra.runtime import checkpoint as ck
+    make_folder(tmp_path / "data", fmt="JPEG", per_class=(5, 4, 4), size=20)
+    base = folder_config(tmp_path / "data", shuffle=True, augment=True, train=13, val=13)
+    base = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, deterministic=True))
+    full = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1)), tmp_path / "a",
+                   log=lambda *_: None)
+    full.fit()
+    Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1, max_steps=6)), tmp_path / "b",
+            log=lambda *_: None).fit()
+    assert ck.checkpoints_in(tmp_path / "b")[0].name == "ckpt_e0001_s00000006.pt"  # epoch 2, batch 2 next
+    resumed = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1), resume="auto"),
+                      tmp_path / "b", log=lambda *_: None)
+    resumed.fit()
+    a, b = full.final_state_dict(), resumed.final_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ha = json.loads((tmp_path / "a" / "metrics.json").read_text())["history"]
+    hb = json.loads((tmp_path / "b" / "metrics.json").read_text())["history"]
+    assert ha[-1]["val"] == hb[-1]["val"]

@@ -7,6 +7,7 @@ into the idle arena input buffer.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -97,109 +98,77 @@ def dali_threads(spec, local_ranks: int = 1, cpus: int | None = None) -> int:
 
 
 class _Stream:
-    """One split's full batches in order from ``start``, through a pipeline with DALI's pipelined
-    asynchronous executor, ``DEPTH`` batches ahead of the one consumed. Files are read by DALI's
-    own file reader (its threads, not Python's) from the exact list this (seed, epoch, shard)
-    orders; in-memory arrays come through a callback. After the last full batch the stream wraps
-    to its first (validation passes repeat; a train stream ends with its epoch, so it schedules
-    nothing past its last batch: no decode is left in flight when the next epoch's stream takes
-    over); a partial last batch is not part of the stream."""
+    """One split at one (resolution, full batch size), for the whole run: a pipeline with DALI's
+    pipelined asynchronous executor that is fed, ``DEPTH`` batches ahead of the one consumed, the
+    batches the plan will ask for next, across epoch ends (the partial last batch and the next
+    epoch's first batches included; validation passes repeat). Files are read by DALI's own
+    threads (``io.file.read`` of the paths fed); in-memory arrays are fed as they are. Random
+    augmentation draws come from the pipeline's generators, whose state a checkpoint keeps
+    (``state``), so a resumed run draws the same crops as one that never stopped. A request for
+    anything else (another position, resolution or batch size) builds a new stream there."""
 
-    def __init__(self, src: "DaliSource", split: str, key: tuple, batch: int, start: int, order=None):
-        self.src, self.split, self.key, self.batch = src, split, key, batch
-        res, max_batch, epoch = key
-        self.order = src.order(split, epoch) if order is None else order
-        self.count = len(self.order) // batch   # full batches
-        self.first = self.next = start          # the index the next run() returns
-        batches = [src._replace_bad(split, self.order[i * batch:(i + 1) * batch]) for i in range(start, self.count)]
-        self._replaced = [r for _, r in batches]
-        self._ids = [ids for ids, _ in batches]
-        self._fed = 0
-        self._started = False  # the first schedule_run prefetches DEPTH batches, later ones one
-        self._pending = 0      # batches scheduled and not yet taken
-        self._primed = False
-        idx = src.index[split]
-        if idx.encoded:
-            ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
-            files = ([idx.paths[i] for i in ids], [int(i) for i in ids])
-            self.pipe = src._build(split, res, max_batch, epoch=epoch, files=files)
+    def __init__(self, src: "DaliSource", split: str, key: tuple, pos: tuple, checkpoint: bytes | None = None):
+        self.src, self.split, self.key = src, split, key
+        self.at = pos                 # the next (epoch, index) to feed; None: the plan ends here
+        self.fed: collections.deque = collections.deque()  # (pos, ids, replaced) fed, not taken
+        self._started = False
+        self.before: tuple | None = None  # (position, DALI state) before the latest batch taken
+        res, batch = key
+        self.pipe = src._build(split, res, batch, stream=True, checkpoint=checkpoint)
+
+    def peek(self) -> tuple | None:
+        """The position the next ``run`` returns."""
+        return self.fed[0][0] if self.fed else self.at
+
+    def _feed(self) -> None:
+        pos = self.at
+        if pos is None:  # past the plan's end: repeat the last batch so DALI's prefetch is fed
+            _, ids, _ = self.fed[-1]
+            replaced = 0
         else:
-            self.pipe = src._build(split, res, max_batch, epoch=epoch, source=self._next)
-
-    def _next(self):
-        ids = self._ids[self._fed]
-        self._fed = (self._fed + 1) % len(self._ids)
-        return self.src._samples(self.split, ids)
+            ids, replaced = self.src._planned(self.split, pos, self.key[1])
+            self.at = self.src._following(self.split, pos, self.key)
+        self.pipe.feed_input("images", self.src._samples(self.split, ids))
+        self.fed.append((pos, ids, replaced))
 
     def _schedule(self) -> None:
+        for _ in range(1 if self._started else DEPTH):  # the first run prefetches DEPTH batches
+            self._feed()
         self.pipe.schedule_run()
-        self._pending += 1 if self._started else DEPTH
         self._started = True
-
-    def prime(self) -> None:
-        """Start decoding the first ``DEPTH`` batches now (the stream built ahead does this on
-        its thread, so the next epoch's first batch is ready at the switch)."""
-        if not self._started:
-            self._schedule()
-            self._primed = True
 
     def run(self) -> tuple[object, np.ndarray, int]:
         """(images, the sample ids they are, how many known-bad samples were replaced)."""
-        # DALI's scheduled API: keep DEPTH batches scheduled ahead, take the oldest. A train
-        # stream schedules nothing past its pass (this batch and the ones after it).
-        left = self.count - self.next
-        if self._pending == 0 or (not self._primed and self._pending < DEPTH
-                                  and (self.split != "train" or self._pending < left)):
+        if not self._started or (len(self.fed) < DEPTH and self.at is not None):
             self._schedule()
-        self._primed = False
+        # DALI's state before this batch (0.1 ms): a run stopped mid-epoch has taken the batch
+        # after its last step, and resumes at that batch
+        if self.split == "train":
+            self.before = (self.fed[0][0], self.pipe.checkpoint())
         out = self.pipe.outputs()
-        self._pending -= 1
-        k = self.next - self.first
-        self.next = self.next + 1 if self.next + 1 < self.count else self.first
-        ids = self._ids[k]
-        if len(out) > 1:  # the reader says which files it read: they must be the planned ones
-            got = np.asarray(out[1].as_array()).reshape(-1)
-            if not np.array_equal(got, ids):
-                raise DataError(f"data: the {self.split} reader is out of step (batch {self.first + k})")
-        return out[0], ids, self._replaced[k]
+        pos, ids, replaced = self.fed.popleft()
+        if pos is None:
+            raise DataError(f"data: the {self.split} stream ran past its plan")
+        return out[0], ids, replaced
+
+    def resume_points(self) -> list[tuple[tuple, bytes]]:
+        """(position, DALI state from which that position's batch is drawn) before the latest
+        batch taken and now: the state after the batches taken, not the ones decoding ahead."""
+        points = [self.before] if self.before is not None and self.before[0] is not None else []
+        if self.peek() is not None:
+            points.append((self.peek(), self.pipe.checkpoint()))
+        return points
 
 
 def _retire(stream: "_Stream | None") -> None:
     """Drop a stream that is no longer read on a background thread: a pipeline's destructor
     stops its workers and frees its buffers (device frees synchronise), which would otherwise
-    happen on the training thread at the epoch switch."""
+    happen on the training thread."""
     if stream is None:
         return
     box = [stream]
     del stream
     threading.Thread(target=box.clear, daemon=False, name="tr_hydra-dali-retire").start()
-
-
-class _Ahead:
-    """The next epoch's training stream, built on a background thread while this epoch runs, and
-    its first batches decoded there too: a pipeline decodes nothing until it is first run, so a
-    stream only built ahead still left the first step of each epoch waiting 0.62 s (H200, batch
-    256, 16 threads)."""
-
-    def __init__(self, key: tuple, build):
-        self.key, self.stream, self.error = key, None, None
-        # not a daemon: a run that ends mid-build (max_steps) waits for the build at exit rather
-        # than tearing DALI down under it
-        self._thread = threading.Thread(target=self._run, args=(build,), daemon=False,
-                                        name="tr_hydra-dali-ahead")
-        self._thread.start()
-
-    def _run(self, build) -> None:
-        try:
-            stream = build()
-            stream.prime()
-            self.stream = stream
-        except BaseException as e:  # noqa: BLE001 - reported by taking the synchronous path
-            self.error = e
-
-    def take(self) -> "_Stream | None":
-        self._thread.join()
-        return self.stream
 
 
 class DaliSource:
@@ -219,8 +188,8 @@ class DaliSource:
         self.dali_dtype = torch.float16 if self.half else torch.float32
         self._pipes: dict[tuple, object] = {}    # synchronous pipelines (fallback, bad-file search)
         self._streams: dict[str, _Stream] = {}   # one asynchronous stream per split
-        self._ahead: dict[str, _Ahead] = {}      # the next epoch's stream, being built
-        self.ahead_used = 0                      # epochs whose stream was ready in advance
+        self._resume: dict | None = None         # a checkpointed train stream, until it is rebuilt
+        self.ahead_used = 0                      # epochs whose first batch was decoding before the switch
         self.copy_wait = 0.0                     # host seconds waiting for the previous copy out
         self._orders: dict[tuple[str, int], np.ndarray] = {}
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
@@ -229,7 +198,8 @@ class DaliSource:
 
     # ------------------------------------------------------------------ pipelines
     def _pipeline(self, split: str, res: int, max_batch: int, epoch: int):
-        # training augmentation is seeded by (seed, epoch): a resumed run draws the same crops
+        """A synchronous pipeline (a batch after a failed decode); its training augmentation is
+        seeded by (seed, epoch)."""
         key = (split, res, max_batch, epoch if split == "train" else 0)
         if key not in self._pipes:
             self._pipes = {k: v for k, v in self._pipes.items() if k[0] != split or k[3] == key[3]}
@@ -237,34 +207,32 @@ class DaliSource:
         return self._pipes[key]
 
     def _build(self, split: str, res: int, max_batch: int, device_override=None, epoch: int = 0,
-               source=None, files=None):
-        """A pipeline fed through ``feed_input`` (synchronous executor), or DALI's pipelined
-        asynchronous executor working ``DEPTH`` batches ahead, reading ``files`` ((paths, sample
-        ids) in order) with its file reader or taking batches from ``source`` (a callable)."""
-        stream = source is not None or files is not None
+               stream: bool = False, checkpoint: bytes | None = None):
+        """A pipeline taking a batch through ``feed_input("images", ...)``: encoded files by path
+        (DALI's threads read them), in-memory arrays as they are. ``stream``: DALI's pipelined
+        asynchronous executor ``DEPTH`` batches ahead, with checkpointing (``checkpoint``: the
+        state to start from); otherwise the synchronous executor."""
         from nvidia.dali import fn, pipeline_def, types
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
         augment = split == "train" and d.augment
         dtype = types.FLOAT16 if self.half else types.FLOAT
+        # a stream's generators run on over the epochs; a synchronous pipeline is per epoch
+        salt = (self.shard_id * 1009 + 7) if stream else epoch * 104729
+        kw = {"enable_checkpointing": True, "checkpoint": checkpoint} if stream else {}
 
         @pipeline_def(batch_size=max_batch, num_threads=dali_threads(d.num_threads, self.num_shards),
                       device_id=(self.device.index or 0) if gpu else None,
-                      seed=(self.pc.seed * 7919 + epoch * 104729 + res * 31 + (split == "val")) % (2**31),
+                      seed=(self.pc.seed * 7919 + salt + res * 31 + (split == "val")) % (2**31),
                       prefetch_queue_depth=DEPTH if stream else 1,
-                      exec_async=stream, exec_pipelined=stream)
+                      exec_async=stream, exec_pipelined=stream, **kw)
         def pipe():
-            src = {"source": source, "batch": True} if source else {"name": "images"}
-            sid = None
-            if files is not None:
-                enc, sid = fn.readers.file(files=files[0], labels=files[1], random_shuffle=False,
-                                           name="Reader", prefetch_queue_depth=DEPTH)
-                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
-            elif encoded:
-                enc = fn.external_source(**src, dtype=types.UINT8, ndim=1)
+            if encoded:
+                paths = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
+                enc = fn.io.file.read(paths)
                 img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
             else:
-                img = fn.external_source(**src, dtype=types.UINT8, ndim=3, layout="HWC")
+                img = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
                 if gpu:
                     img = img.gpu()
             if augment:
@@ -275,10 +243,9 @@ class DaliSource:
                 shorter = res if split == "train" else int(round(res / d.val_crop))
                 img = fn.resize(img, resize_shorter=shorter)
                 mirror = 0
-            out = fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
-                                           std=list(d.std), dtype=dtype, output_layout="HWC",
-                                           pad_output=self.half)
-            return (out, sid) if sid is not None else out
+            return fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
+                                            std=list(d.std), dtype=dtype, output_layout="HWC",
+                                            pad_output=self.half)
         p = pipe()
         p.build()
         return p
@@ -287,23 +254,45 @@ class DaliSource:
     def order(self, split: str, epoch: int) -> np.ndarray:
         key = (split, epoch if split == "train" else 0)
         if key not in self._orders:
-            self._orders = {k: v for k, v in self._orders.items() if k[0] != split}  # keep one per split
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != split or k[1] >= key[1] - 1}
             shuffle = self.pc.data.shuffle and split == "train"
             self._orders[key] = epoch_order(len(self.index[split]), self.pc.seed, epoch, shuffle,
                                             self.shard_id, self.num_shards)
         return self._orders[key]
 
-    def _samples(self, split: str, ids: np.ndarray):
+    def _samples(self, split: str, ids: np.ndarray) -> list:
+        """What a pipeline is fed for ``ids``: the encoded files' paths (as bytes), or the arrays."""
         idx = self.index[split]
         if idx.encoded:
-            out = []
-            for i in ids:
-                try:
-                    out.append(np.fromfile(idx.paths[i], dtype=np.uint8))
-                except OSError as e:
-                    raise DataError(f"data: cannot read {idx.paths[i]}: {e.strerror}") from None
-            return out
+            return [np.frombuffer(idx.paths[i].encode(), dtype=np.uint8) for i in ids]
         return [idx.images[i] for i in ids]
+
+    def _planned(self, split: str, pos: tuple, batch: int) -> tuple[np.ndarray, int]:
+        """The sample ids of batch ``pos`` = (epoch, index) at ``batch`` per full batch (the
+        partial last batch is shorter), known-bad ones replaced; and how many were."""
+        epoch, index = pos
+        return self._replace_bad(split, self.order(split, epoch)[index * batch:(index + 1) * batch])
+
+    def _train_res(self, epoch: int) -> int:
+        return self.pc.variant("train_lowres" if epoch < self.pc.lowres_epochs else "train_base").res
+
+    def _following(self, split: str, pos: tuple, key: tuple) -> tuple | None:
+        """The batch the plan asks a (resolution, batch) stream for after ``pos``: the next one
+        of the epoch (the partial last one where the plan trains or validates it), then the next
+        epoch's first if that epoch keeps the resolution (validation passes repeat); None past
+        the plan's end."""
+        epoch, index = pos
+        res, batch = key
+        n = len(self.order(split, epoch))
+        last = ("train_last", "train_lowres_last") if split == "train" else ("val_last",)
+        count = n // batch + (1 if n % batch and any(self.pc.has_variant(v) for v in last) else 0)
+        if index + 1 < count:
+            return epoch, index + 1
+        if split != "train":
+            return epoch, 0
+        if epoch + 1 >= self.pc.trainer.epochs or self._train_res(epoch + 1) != res:
+            return None
+        return epoch + 1, 0
 
     def prefetch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0,
                  after=None) -> None:
@@ -312,24 +301,23 @@ class DaliSource:
         self._after = after
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
-        """Batch ``index`` of ``split`` in this epoch's order. Consecutive full batches come from
-        the split's asynchronous stream, decoded ahead; any other request (a resumed position,
-        a failed decode) starts a new stream there. A partial last batch (once per epoch) is
-        decoded on its own."""
+        """Batch ``index`` of ``split`` in this epoch's order (``size`` samples: ``batch``, or
+        fewer for the partial last one). The batches the plan asks for in turn come from the
+        split's asynchronous stream, decoded ahead across epoch ends; any other request (a
+        resumed position, another resolution, the batch after a failed decode) starts a new
+        stream there."""
         if self._after is not None:
             t = time.perf_counter()
             self._after.synchronize()  # the previous batch's buffers are free once copied out
             self.copy_wait += time.perf_counter() - t  # the device's pace, not DALI's
             self._after = None
-        if size < batch:
-            return self._decode(split, index, batch, size, res, epoch)
-        key = (res, batch, epoch if split == "train" else 0)
+        key, pos = (res, batch), (epoch if split == "train" else 0, index)
         st = self._streams.get(split)
-        if st is None or st.key != key or st.next != index:
+        if st is None or st.key != key or st.peek() != pos:
             _retire(self._streams.pop(split, None))
-            st = self._streams[split] = self._stream_ready(split, key, index) or _Stream(self, split, key, batch, index)
-            if split == "train":
-                self._build_ahead(split, key, batch)
+            st = self._streams[split] = _Stream(self, split, key, pos, checkpoint=self._checkpoint_for(split, key, pos))
+        elif split == "train" and index == 0 and st._started:
+            self.ahead_used += 1  # the stream went on from the last epoch: this batch was decoding
         try:
             with native_stderr_kept_on_success():
                 images, ids, replaced = st.run()
@@ -345,27 +333,34 @@ class DaliSource:
         labels = torch.from_numpy(self.index[split].labels[ids].copy())
         return DaliBatch(images, labels, self.dali_dtype)
 
-    def _stream_ready(self, split: str, key: tuple, index: int) -> "_Stream | None":
-        """The stream built ahead for this (resolution, batch, epoch), if that is what is asked
-        for from its first batch; otherwise None (the guess is dropped)."""
-        ahead = self._ahead.pop(split, None)
-        if ahead is None or ahead.key != key or index != 0:
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict | None:
+        """Where the train stream stands and its DALI state (the random generators after the
+        batches taken), for a checkpoint: at the next batch, and before the latest one taken (a
+        run stopped mid-epoch resumes there); None without a train stream."""
+        st = self._streams.get("train")
+        points = st.resume_points() if st is not None else []
+        if not points:
             return None
-        st = ahead.take()
-        if st is not None:
-            self.ahead_used += 1
-        return st
+        return {"res": st.key[0], "batch": st.key[1],
+                "points": [{"epoch": p[0], "index": p[1], "dali": torch.frombuffer(bytearray(c), dtype=torch.uint8)}
+                           for p, c in points]}
 
-    def _build_ahead(self, split: str, key: tuple, batch: int) -> None:
-        """Start building the next epoch's stream, guessing it keeps this resolution and batch
-        (a wrong guess, at the switch from low to full resolution, costs one unused build)."""
-        res, max_batch, epoch = key
-        if epoch + 1 >= self.pc.trainer.epochs:
-            return
-        nkey = (res, max_batch, epoch + 1)
-        order = epoch_order(len(self.index[split]), self.pc.seed, epoch + 1,
-                            self.pc.data.shuffle and split == "train", self.shard_id, self.num_shards)
-        self._ahead[split] = _Ahead(nkey, lambda: _Stream(self, split, nkey, batch, 0, order=order))
+    def restore(self, state: dict | None) -> None:
+        """Start the train stream from a checkpoint's ``state`` when the run asks for its batch."""
+        self._resume = state
+
+    def _checkpoint_for(self, split: str, key: tuple, pos: tuple) -> bytes | None:
+        r = self._resume
+        if split != "train" or r is None:
+            return None
+        self._resume = None  # used once: a stream built anywhere else starts fresh
+        if (r["res"], r["batch"]) != key:
+            return None
+        for p in r["points"]:
+            if (p["epoch"], p["index"]) == pos:
+                return bytes(p["dali"].numpy())
+        return None
 
     def _decode(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0) -> DaliBatch:
         ids = self.order(split, epoch)[index * batch:index * batch + size]
@@ -423,6 +418,12 @@ class DaliSource:
             except DataError:
                 raise
             except Exception:
+                if self.index[split].encoded:  # a file that cannot be read is no decode failure
+                    try:
+                        with open(self.index[split].paths[i], "rb"):
+                            pass
+                    except OSError as e:
+                        raise DataError(f"data: cannot read {self.index[split].paths[i]}: {e.strerror}") from None
                 bad.append(int(i))
                 probe = self._build(split, res, 1, device_override=torch.device("cpu"))
         return bad

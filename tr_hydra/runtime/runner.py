@@ -321,6 +321,9 @@ class Trainer:
         state = ck.load(path)
         ck.check_compatible(state, self.arena, pc.fingerprint(), pc.describe(), path)
         ck.restore(state, self.arena)
+        data = (state.get("extra") or {}).get("data")
+        if data and len(data) == self.dist.world_size and hasattr(self.source, "restore"):
+            self.source.restore(data[self.dist.rank])  # the input's augmentation state, per rank
         step = int(state["position"]["step"])
         epoch = 0
         while epoch < pc.trainer.epochs and self.steps_before(epoch + 1) <= step:
@@ -330,8 +333,10 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int, step: int, history: list) -> Path | None:
         from tr_hydra.runtime import checkpoint as ck
-        from tr_hydra.runtime.distributed import barrier
+        from tr_hydra.runtime.distributed import all_gather, barrier
         self.ex.sync_bn_stats()  # every rank: the collective needs them all
+        # every rank's input state (where its train stream stands, its augmentation generators)
+        data = all_gather(self.dist, self.source.state() if hasattr(self.source, "state") else None)
         d = self.run_dir / "checkpoints"
         if not self.is_main:
             barrier(self.dist)
@@ -340,7 +345,7 @@ class Trainer:
         path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", self.arena,
                        position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
                        config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
-                       history=_jsonable(history))
+                       history=_jsonable(history), extra={"data": data} if any(data) else None)
         ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
         barrier(self.dist)
         return path
