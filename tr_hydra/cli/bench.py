@@ -87,7 +87,7 @@ def e2e_table(records: list[dict]) -> str:
         lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
                      f"({tr.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
                      f"{tr['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; "
-                     f"next epoch's reader built ahead: {'yes' if tr['epochs_read_ahead'] else 'no'})")
+                     f"epoch 1's first batch decoding before the switch: {'yes' if tr['epochs_read_ahead'] else 'no'})")
     return "\n".join(lines)
 
 
