@@ -341,3 +341,22 @@ def test_training_resumed_mid_epoch_on_jpegs_is_exact(tmp_path):
     ha = json.loads((tmp_path / "a" / "metrics.json").read_text())["history"]
     hb = json.loads((tmp_path / "b" / "metrics.json").read_text())["history"]
     assert ha[-1]["val"] == hb[-1]["val"]
+
+
+def test_checkpoint_is_written_when_the_input_state_cannot_be_read(tmp_path, monkeypatch):
+    """A source whose state fails (its pipeline broken by the error that stops the run) still
+    gets the checkpoint written, without the input state, and says so."""
+    from tr_hydra.runtime import checkpoint as ck
+    make_folder(tmp_path / "data", fmt="JPEG", per_class=(5, 4, 4), size=20)
+    pc = folder_config(tmp_path / "data", augment=True, train=13, val=13)
+    notes = []
+    tr = Trainer(dataclasses.replace(pc, trainer=TrainerSpec(epochs=1)), tmp_path / "run", log=notes.append)
+    tr.fit()
+    good = ck.load(ck.checkpoints_in(tmp_path / "run")[0])
+    assert good["extra"]["data"][0]["res"] == 16
+    def broken():
+        raise RuntimeError("Critical error in pipeline: decoder gone")
+    monkeypatch.setattr(tr.source, "state", broken)
+    path = tr.save_checkpoint(1, 99, [])
+    assert "extra" in ck.load(path) and "data" not in ck.load(path)["extra"]
+    assert any("the input state is not saved (Critical error in pipeline" in n for n in notes)

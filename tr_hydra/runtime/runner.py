@@ -336,7 +336,7 @@ class Trainer:
         from tr_hydra.runtime.distributed import all_gather, barrier
         self.ex.sync_bn_stats()  # every rank: the collective needs them all
         # every rank's input state (where its train stream stands, its augmentation generators)
-        data = all_gather(self.dist, self.source.state() if hasattr(self.source, "state") else None)
+        data = all_gather(self.dist, self._input_state())
         d = self.run_dir / "checkpoints"
         if not self.is_main:
             barrier(self.dist)
@@ -349,6 +349,18 @@ class Trainer:
         ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
         barrier(self.dist)
         return path
+
+    def _input_state(self):
+        """The source's state for a checkpoint; a source that cannot give it (a pipeline broken by
+        the error that stops the run) must not cost the checkpoint itself."""
+        if not hasattr(self.source, "state"):
+            return None
+        try:
+            return self.source.state()
+        except Exception as e:  # noqa: BLE001 - the checkpoint matters more
+            self.log(f"checkpoint: the input state is not saved ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                     f"a run resumed from it draws fresh crops")
+            return None
 
     def _start_together(self) -> list[float]:
         """Under ddp, every rank waits here until all have compiled and captured: the first
