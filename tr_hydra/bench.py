@@ -170,7 +170,7 @@ def folder_config(pc, root: str, compile_mode: str):
     classes = len(scan_imagefolder(root, "train")[1])
     v = pc.variant("train_base")
     data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, image_size=v.res,
-                    num_threads=os.cpu_count() or 4)
+                    num_threads=os.cpu_count() or 4, hw_decoder_load=pc.data.hw_decoder_load)
     variants = make_variants(train_size=n_train, val_size=n_val, batch_size=v.batch, val_batch_size=v.batch,
                              base_res=v.res, lowres_res=v.res, lowres_epochs=0, val_res=v.res, drop_last=False)
     return dataclasses.replace(pc, data=data, model=dataclasses.replace(pc.model, num_classes=classes),
@@ -285,7 +285,7 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
 
 
 def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
-                     warm_steps: int = 8) -> dict:
+                     warm_steps: int = 8, hw_decoder_load: float | None = None) -> dict:
     """NVIDIA DALI as its documentation sets it up (file reader, nvJPEG mixed decode, random
     resized crop, flip, normalise to fp16 HWC; pipelined asynchronous executor, every core)
     feeding the model under torch.compile, bf16 autocast, fused SGD."""
@@ -300,7 +300,9 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
     @pipeline_def(batch_size=batch, num_threads=os.cpu_count() or 4, device_id=device.index or 0, seed=1)
     def pipe():
         enc, label = fn.readers.file(file_root=str(train), random_shuffle=True, name="Reader")
-        img = fn.decoders.image(enc, device="mixed", output_type=types.RGB)
+        # data.hw_decoder_load, when set, applies to this pipeline as to tr_hydra's
+        hw = {} if hw_decoder_load is None else {"hw_decoder_load": hw_decoder_load}
+        img = fn.decoders.image(enc, device="mixed", output_type=types.RGB, **hw)
         img = fn.random_resized_crop(img, size=(res, res))
         img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), dtype=types.FLOAT16,
                                        output_layout="HWC", mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],

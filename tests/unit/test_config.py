@@ -82,6 +82,7 @@ def test_imagefolder_without_images_is_a_config_error(tmp_path):
     ("optimizer=adam", None),
     ("data.num_threads=0", "data.num_threads"),
     ("data.num_threads=many", "data.num_threads"),
+    ("data.hw_decoder_load=1.5", "data.hw_decoder_load"),
     ("ema_decay=1.5", "ema_decay"),
     ("trainer.label_smoothing=1.0", "trainer.label_smoothing"),
     ("runtime.precompile=-1", "runtime.precompile"),

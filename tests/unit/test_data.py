@@ -360,3 +360,25 @@ def test_checkpoint_is_written_when_the_input_state_cannot_be_read(tmp_path, mon
     path = tr.save_checkpoint(1, 99, [])
     assert "extra" in ck.load(path) and "data" not in ck.load(path)["extra"]
     assert any("the input state is not saved (Critical error in pipeline" in n for n in notes)
+
+
+@pytest.mark.parametrize("load", [None, 0.9])
+def test_hw_decoder_load_reaches_the_gpu_decoder(tmp_path, monkeypatch, load):
+    """``data.hw_decoder_load`` goes to the mixed (GPU) JPEG decoder when set; unset, DALI's own
+    default stands. (The graph is defined, not built: no GPU here.)"""
+    from nvidia.dali import fn
+    make_folder(tmp_path, fmt="JPEG")
+    src = DaliSource(folder_config(tmp_path, hw_decoder_load=load), torch.device("cuda"), torch.float16)
+    seen = {}
+
+    class Defined(Exception):
+        pass
+
+    def decoder(*args, **kw):
+        seen.update(kw)
+        raise Defined
+    monkeypatch.setattr(fn.decoders, "image", decoder)
+    with pytest.raises(Defined):
+        src._build("train", 16, 4, stream=True)
+    assert seen["device"] == "mixed"
+    assert seen.get("hw_decoder_load") == load and ("hw_decoder_load" in seen) == (load is not None)

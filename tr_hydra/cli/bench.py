@@ -63,7 +63,8 @@ def end_to_end(pc, b, device) -> dict:
         if m == "tr":
             r = e2e_tr(fpc, "/tmp/tr_bench_e2e", warm_steps=b.warmup)
         elif m == "dali-compile":
-            r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup)
+            r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
+                                 hw_decoder_load=fpc.data.hw_decoder_load)
         else:
             r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup)
         r["mode"] = m

@@ -64,6 +64,7 @@ class DataSpec:
     cache_dir: str | None = None
     skip_corrupt: bool = False
     num_threads: str | int = "auto"
+    hw_decoder_load: float | None = None  # share of JPEGs for the GPU's hardware decoder (None: DALI's)
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,8 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(data.num_threads == "auto" or (isinstance(data.num_threads, int) and not isinstance(data.num_threads, bool)
                                           and data.num_threads >= 1),
            "data.num_threads", f"must be auto or >= 1, got {data.num_threads!r}")
+    _check(data.hw_decoder_load is None or 0.0 <= data.hw_decoder_load <= 1.0,
+           "data.hw_decoder_load", f"must be null or in [0, 1], got {data.hw_decoder_load!r}")
     if opt.name in ("adam", "adamw"):
         _check(opt.eps > 0, "optimizer.eps", f"optimizer={opt.name} needs eps > 0")
     _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")

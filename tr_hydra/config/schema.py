@@ -131,6 +131,7 @@ class DataConfig:
     cache_dir: Optional[str] = None
     skip_corrupt: bool = False
     num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
+    hw_decoder_load: Optional[float] = None  # share of JPEGs sent to the GPU's hardware decoder; null: DALI's default
 
 
 @dataclass

@@ -216,6 +216,8 @@ class DaliSource:
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
         augment = split == "train" and d.augment
+        # the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG on the host's threads)
+        hw = {"hw_decoder_load": d.hw_decoder_load} if gpu and d.hw_decoder_load is not None else {}
         dtype = types.FLOAT16 if self.half else types.FLOAT
         # a stream's generators run on over the epochs; a synchronous pipeline is per epoch
         salt = (self.shard_id * 1009 + 7) if stream else epoch * 104729
@@ -230,7 +232,7 @@ class DaliSource:
             if encoded:
                 paths = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
                 enc = fn.io.file.read(paths)
-                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB, **hw)
             else:
                 img = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
                 if gpu:
