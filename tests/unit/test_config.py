@@ -97,3 +97,19 @@ def test_value_ranges(override, needle):
         return
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         plan_config_from(compose(overrides))
+
+
+def test_rerun_of_a_config_saved_before_runtime_stem_keeps_the_plain_conv(tmp_path):
+    """Runs saved before runtime.stem existed computed the stem with PyTorch's conv; their rerun
+    must too, while a config that has the key keeps its own value."""
+    import yaml
+
+    from tr_hydra.cli.rerun import rerun_overrides
+    (tmp_path / ".hydra").mkdir()
+    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto"}}
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert "runtime.stem=conv" in rerun_overrides(tmp_path)
+    cfg["runtime"]["stem"] = "space_to_depth"
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "runtime.stem='space_to_depth'" in got and "runtime.stem=conv" not in got

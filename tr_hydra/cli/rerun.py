@@ -23,6 +23,20 @@ def _value(v) -> str:
     return f"'{s}'"
 
 
+# Keys added after runs were saved, with the value that reproduces what those runs did (their
+# default then); a saved config without the key reruns with it.
+_BEFORE_KEY = (("runtime.stem", "conv"),)
+
+
+def _has(config: dict, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def _leaves(d: dict, prefix: str = "") -> list[str]:
     out = []
     for k, v in d.items():
@@ -43,6 +57,7 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
         raise ConfigError(f"--rerun: {cfg_path} not found (is {run_dir} a tr-train run dir?)")
     config = yaml.safe_load(cfg_path.read_text()) or {}
     overrides = _leaves(config)
+    overrides += [f"{key}={value}" for key, value in _BEFORE_KEY if not _has(config, key)]
     hydra_yaml = hydra_dir / "hydra.yaml"
     if hydra_yaml.is_file():
         h = yaml.safe_load(hydra_yaml.read_text()) or {}

@@ -94,6 +94,7 @@ class RuntimeSpec:
     kernels: str = "auto"
     precompile: str | int = "auto"
     precompile_first: bool = False
+    stem: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,12 @@ class Kernels(enum.Enum):
     triton = "triton"
 
 
+class Stem(enum.Enum):
+    auto = "auto"                      # space_to_depth on CUDA, conv elsewhere
+    conv = "conv"                      # the model's own convolution
+    space_to_depth = "space_to_depth"  # a stride-2 stem over the image as a stride-1 conv over 2x2 blocks
+
+
 class PlanFormat(enum.Enum):
     table = "table"
     json = "json"
@@ -173,6 +179,7 @@ class RuntimeConfig:
     kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
+    stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """Synthetic data generated on the device from the seed: every class has a fixed low-frequency
 pattern, each image is its class pattern plus noise. Learnable, so the loss must fall; costs
-nothing at run time (batches are slices of a bank made once)."""
+nothing at run time (batches are slices of a bank made once).
+
+On CUDA the bank stays in pinned host memory, as a loader's batches would: the feeder copies each
+batch into the arena's input buffer on its own stream while the previous step runs, and no device
+memory goes to the bank (at ResNet-50 batch 32 it held 36.75 MiB on the device)."""
 from __future__ import annotations
 
 import torch
@@ -27,14 +31,18 @@ class SyntheticSource:
             labels = torch.randint(0, self.num_classes, (n,), generator=g)
             pat = F.interpolate(self.patterns, size=(res, res), mode="bilinear", align_corners=False)
             imgs = pat[labels] + 0.8 * torch.randn(n, self.channels, res, res, generator=g)
-            imgs = imgs.permute(0, 2, 3, 1).contiguous()  # NHWC
-            self._banks[key] = (imgs.to(self.device, self.dtype), labels.to(self.device, torch.int32))
-            if torch.device(self.device).type == "cuda":
-                torch.cuda.synchronize(self.device)  # once per bank: the feeder's stream reads it
+            imgs = imgs.permute(0, 2, 3, 1).contiguous().to(self.dtype)  # NHWC
+            labels = labels.to(torch.int32)
+            if torch.device(self.device).type == "cuda":  # host, pinned: copies to the device are async
+                imgs, labels = imgs.pin_memory(), labels.pin_memory()
+            else:
+                imgs, labels = imgs.to(self.device), labels.to(self.device)
+            self._banks[key] = (imgs, labels)
         return self._banks[key]
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0):
-        """Images NHWC (compute dtype) and int32 labels of batch ``index`` (``size`` <= batch)."""
+        """Images NHWC (compute dtype) and int32 labels of batch ``index`` (``size`` <= batch);
+        pinned host tensors when the device is CUDA."""
         imgs, labels = self._bank(split, res, batch)
         n = imgs.shape[0]
         start = (index * batch) % n

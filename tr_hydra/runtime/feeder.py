@@ -22,7 +22,7 @@ class Feeder:
         if self.cuda:
             # Not waiting for the compute stream: that would wait for the step just launched and
             # serialise copy and step. Sources hand over batches that are ready on any stream
-            # (DALI orders its own copies; synthetic banks are synchronised once when made).
+            # (DALI orders its own copies; synthetic banks are in pinned host memory).
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(self.consumed[buffer])  # the step that last read it is done
                 self._copy(buffer, variant, batch)
@@ -39,7 +39,7 @@ class Feeder:
                                  f"{tuple(img.shape)}")
             img.copy_(images, non_blocking=True)
             lab.copy_(labels, non_blocking=True)
-            if self.cuda:
+            if self.cuda and images.is_cuda:
                 images.record_stream(self.stream)
             return
         from nvidia.dali.plugin.pytorch import feed_ndarray

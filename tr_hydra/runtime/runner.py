@@ -122,6 +122,15 @@ class Trainer:
         model = model.to(self.device)
         if pc.runtime.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        self.stem_s2d: list[str] = []  # convs over the image computed in space-to-depth form
+        if pc.runtime.stem == "space_to_depth" or (pc.runtime.stem == "auto" and self.device.type == "cuda"):
+            from tr_hydra.models.stem import space_to_depth_stem
+            self.stem_s2d = space_to_depth_stem(model, self.compiled.model_map.first_convs)
+            if self.stem_s2d:
+                self.log(f"runtime.stem: {', '.join(self.stem_s2d)} computed as a space-to-depth convolution")
+            elif pc.runtime.stem == "space_to_depth":
+                self.log("runtime.stem=space_to_depth: no convolution over the image qualifies "
+                         "(stride 2, no dilation or groups, at most 4 channels); the model's own is used")
         if self.device.type == "cpu":
             nchw_compute_on_cpu(model)
         if pc.runtime.deterministic:

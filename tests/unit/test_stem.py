@@ -1,0 +1,94 @@
+"""The space-to-depth stem: the same convolution as PyTorch's (float64, forward and both
+gradients), the same state_dict, and training with it equals training with the plain conv."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tr_hydra.config.plan_config import RuntimeSpec
+from tr_hydra.models.stem import SpaceToDepthConv2d, eligible, space_to_depth_stem
+from tr_hydra.runtime.runner import Trainer, epoch_schedule
+
+from tests.helpers import small_config
+
+
+@pytest.mark.parametrize("k,p", [(7, 3), (3, 1), (4, 1), (5, 2), (1, 0), (2, 0), (6, 3)])
+@pytest.mark.parametrize("hw", [(16, 16), (17, 15), (9, 22)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_space_to_depth_conv_equals_conv2d(k, p, hw, bias):
+    torch.manual_seed(k * 100 + p * 10 + hw[0])
+    ref = nn.Conv2d(3, 8, k, 2, p, bias=bias).double()
+    s2d = nn.Conv2d(3, 8, k, 2, p, bias=bias).double()
+    s2d.load_state_dict(ref.state_dict())
+    assert space_to_depth_stem(nn.Sequential(s2d), ["0"]) == ["0"]
+    assert type(s2d) is SpaceToDepthConv2d
+    x = torch.randn(2, 3, *hw, dtype=torch.float64, requires_grad=True)
+    y_ref, y = ref(x), s2d(x)
+    assert y.shape == y_ref.shape
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    go = torch.randn_like(y_ref)
+    g_ref = torch.autograd.grad(y_ref, [x, ref.weight], go)
+    g = torch.autograd.grad(y, [x, s2d.weight], go)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert s2d.state_dict().keys() == ref.state_dict().keys()
+    assert s2d.weight.shape == (8, 3, k, k)
+
+
+def test_only_thin_stride_two_convs_qualify():
+    assert eligible(nn.Conv2d(3, 64, 7, 2, 3))
+    assert eligible(nn.Conv2d(4, 64, 3, 2, 1))
+    assert not eligible(nn.Conv2d(3, 64, 3, 1, 1))            # stride 1 (the CIFAR stem)
+    assert not eligible(nn.Conv2d(16, 64, 3, 2, 1))           # not thin
+    assert not eligible(nn.Conv2d(4, 64, 3, 2, 1, groups=2))
+    assert not eligible(nn.Conv2d(3, 64, 3, 2, 1, dilation=2))
+    assert not eligible(nn.Conv2d(3, 64, 3, 2, (1, 0)))
+    assert not eligible(nn.Conv2d(3, 64, 3, 2, 1, padding_mode="reflect"))
+    assert not eligible(nn.Conv2d(3, 64, (3, 5), 2, 1))
+
+
+def _trainer(tmp_path, stem, model):
+    pc = small_config(model=model, batch=8, train_size=24, val_size=8, res=32, val_res=32, lowres_res=32)
+    pc = type(pc)(**{**pc.__dict__, "runtime": RuntimeSpec(device="cpu", compile="none", stem=stem)})
+    return Trainer(pc, tmp_path / stem, log=lambda *_: None)
+
+
+def _one_step(tmp_path, stem, model):
+    tr = _trainer(tmp_path, stem, model)
+    before = {k: v.clone() for k, v in tr.final_state_dict().items()}
+    tr.run_steps(epoch_schedule(tr.pc, 0)[:1], "train")
+    return tr, before, tr.final_state_dict()
+
+
+def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
+    """One momentum step of resnet18 (stem 7x7 stride 2) in fp32: every tensor's change, BN
+    statistics included, within 1e-3 of the change PyTorch's conv gives (measured: <= 5e-5; a fold
+    off by one pixel gives O(1)). Later steps are not compared: on 8-image batches BN's bias
+    gradients nearly cancel, and fp32 rounding alone then moves them by percents."""
+    tr, before, got = _one_step(tmp_path, "space_to_depth", "resnet18")
+    assert tr.stem_s2d == ["conv1"] and type(tr.model.conv1) is SpaceToDepthConv2d
+    ref_tr, ref_before, want = _one_step(tmp_path, "conv", "resnet18")
+    assert ref_tr.stem_s2d == [] and type(ref_tr.model.conv1) is nn.Conv2d
+    assert got.keys() == want.keys()
+    moved = 0
+    for key, w in want.items():
+        assert torch.equal(before[key], ref_before[key]), key  # same initial weights
+        if key.endswith("num_batches_tracked"):
+            assert int(got[key]) == int(w) == 1
+            continue
+        change = (w.double() - before[key].double()).norm()
+        if change == 0:
+            continue
+        moved += 1
+        err = ((got[key].double() - w.double()).norm() / change).item()
+        assert err <= 1e-3, f"{key}: {err:.2e} of its change"
+    assert moved > 50 and "conv1.weight" in got and got["conv1.weight"].shape == (64, 3, 7, 7)
+
+
+def test_auto_keeps_the_conv_on_cpu_and_a_stride_one_stem_stays(tmp_path):
+    tr = _trainer(tmp_path, "auto", "resnet18")
+    assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
+    tr = _trainer(tmp_path, "space_to_depth", "resnet18_cifar")  # 3x3 stride 1: nothing to fold
+    assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
