@@ -382,3 +382,26 @@ def test_hw_decoder_load_reaches_the_gpu_decoder(tmp_path, monkeypatch, load):
         src._build("train", 16, 4, stream=True)
     assert seen["device"] == "mixed"
     assert seen.get("hw_decoder_load") == load and ("hw_decoder_load" in seen) == (load is not None)
+
+
+def test_synthetic_bank_in_the_input_buffer_layout_is_one_plain_copy(tmp_path):
+    """With channel_pad (what the trainer passes on CUDA) the bank has the input buffer's padded
+    channels, zero beyond the image's, so the feeder's copy is contiguous on both sides; the model
+    sees the same images as from an unpadded bank."""
+    import torch
+
+    from tr_hydra.data.synthetic import SyntheticSource
+    from tr_hydra.runtime.runner import Trainer
+    from tests.helpers import small_config
+    tr = Trainer(small_config(amp=True, res=16), tmp_path, log=lambda *_: None)
+    cp = tr.compiled.plan["input_A.data"].strides[2]
+    assert cp == 4  # 16-bit input buffers pad 3 channels to 4
+    args = (10, 3, 7, "cpu", torch.bfloat16, 64, 32)
+    plain, padded = SyntheticSource(*args), SyntheticSource(*args, channel_pad=cp)
+    x, y = plain.batch("train", 1, 32, 32, 16)
+    xp, yp = padded.batch("train", 1, 32, 32, 16)
+    assert xp.shape == (32, 16, 16, 4) and xp.is_contiguous()
+    assert torch.equal(xp[..., :3], x) and not xp[..., 3:].any() and torch.equal(yp, y)
+    tr.feeder.put("B", "train_base", (xp, yp))
+    img, lab = tr.ex.input_views("train_base", "B")
+    assert img.shape == (32, 16, 16, 3) and torch.equal(img, x) and torch.equal(lab, y)

@@ -31,7 +31,10 @@ class SyntheticSource:
             labels = torch.randint(0, self.num_classes, (n,), generator=g)
             pat = F.interpolate(self.patterns, size=(res, res), mode="bilinear", align_corners=False)
             imgs = pat[labels] + 0.8 * torch.randn(n, self.channels, res, res, generator=g)
-            imgs = imgs.permute(0, 2, 3, 1).contiguous().to(self.dtype)  # NHWC
+            imgs = imgs.permute(0, 2, 3, 1).to(self.dtype)  # NHWC
+            if self.pad > self.channels:  # the input buffer's padded layout: one plain copy per batch
+                imgs = F.pad(imgs, (0, self.pad - self.channels))
+            imgs = imgs.contiguous()
             labels = labels.to(torch.int32)
             if torch.device(self.device).type == "cuda":  # host, pinned: copies to the device are async
                 imgs, labels = imgs.pin_memory(), labels.pin_memory()
@@ -41,8 +44,9 @@ class SyntheticSource:
         return self._banks[key]
 
     def batch(self, split: str, index: int, batch: int, size: int, res: int, epoch: int = 0):
-        """Images NHWC (compute dtype) and int32 labels of batch ``index`` (``size`` <= batch);
-        pinned host tensors when the device is CUDA."""
+        """Images NHWC (compute dtype; with ``channel_pad``, that many channels, the extra ones
+        zero) and int32 labels of batch ``index`` (``size`` <= batch); pinned host tensors when
+        the device is CUDA."""
         imgs, labels = self._bank(split, res, batch)
         n = imgs.shape[0]
         start = (index * batch) % n

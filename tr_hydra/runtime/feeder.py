@@ -34,6 +34,8 @@ class Feeder:
         if isinstance(batch, tuple):
             images, labels = batch
             img, lab = self.ex.input_views(variant, buffer)
+            if img.shape != images.shape and images.shape[-1] != img.shape[-1]:  # padded channels
+                img = self.ex.input_views(variant, buffer, padded=True)[0]
             if img.shape != images.shape:
                 raise ValueError(f"batch of shape {tuple(images.shape)} does not fit variant {variant} "
                                  f"{tuple(img.shape)}")

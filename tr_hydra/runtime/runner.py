@@ -174,8 +174,11 @@ class Trainer:
         dt = self.arena.torch_dtype(DType.FP16 if pc.amp else DType.FP32)
         if pc.data.name == "synthetic":
             from tr_hydra.data.synthetic import SyntheticSource
+            # on CUDA the bank matches the input buffer's padded channels, so a batch's copy into
+            # it is one contiguous host-to-device copy (a strided one would need a device temporary)
+            pad = self.compiled.plan["input_A.data"].strides[2] if self.device.type == "cuda" else 0
             return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed + 1009 * self.dist.rank,
-                                   self.device, dt, pc.train_size, pc.val_size)
+                                   self.device, dt, pc.train_size, pc.val_size, channel_pad=pad)
         from tr_hydra.data.dali_source import DaliSource
         return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
 
