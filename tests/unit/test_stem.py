@@ -92,3 +92,18 @@ def test_auto_keeps_the_conv_on_cpu_and_a_stride_one_stem_stays(tmp_path):
     assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
     tr = _trainer(tmp_path, "space_to_depth", "resnet18_cifar")  # 3x3 stride 1: nothing to fold
     assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
+
+
+def test_stem_bench_runs_and_checks_the_fold(tmp_path):
+    """The stem bench's logic on CPU: every timing present, and the space-to-depth output as close
+    to the fp32 reference as the plain conv's."""
+    import json
+
+    from tr_hydra.models.stem_bench import main
+    out = tmp_path / "stem.json"
+    assert main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["cases"]["tiny"]
+    for key in ("conv_c3_fwd_ms", "conv_c8_wgrad_ms", "plain_eager_fwd_wgrad_ms", "s2d_eager_fwd_wgrad_ms",
+                "s2d_conv_only_fwd_wgrad_ms", "s2d_fold_input_ms"):
+        assert res[key] > 0, key
+    assert res["max_abs_err_s2d"] < 1e-4 and res["max_abs_err_plain"] < 1e-4

@@ -1,0 +1,110 @@
+"""Time the stem convolution three ways: PyTorch's conv over 3 channels (and over the image padded
+to 4 or 8 channels), and the space-to-depth form (``tr_hydra.models.stem``), forward plus weight
+gradient (the image needs no gradient), eager and compiled.
+
+    python3 -m tr_hydra.models.stem_bench [--out stem.json] [--device cuda|cpu] [--quick]
+
+Each case also checks that the space-to-depth output equals the plain conv's (fp32 reference).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tr_hydra.models.stem import fold_input, fold_weight
+
+# (name, batch, resolution, kernel, stride, padding)
+CASES = [("r50_b32", 32, 224, 7, 2, 3), ("r50_b256", 256, 224, 7, 2, 3), ("r50_b256_160", 256, 160, 7, 2, 3),
+         ("r50_b104", 104, 224, 7, 2, 3)]
+QUICK = [("tiny", 4, 32, 7, 2, 3)]
+
+
+def _timer(device: torch.device, n: int):
+    def bench(fn) -> float:
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(n):
+                fn()
+            e.record()
+            torch.cuda.synchronize(device)
+            return s.elapsed_time(e) / n
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / n
+    return bench
+
+
+def run(device: torch.device, cases, n: int = 40, compiled: bool = True) -> dict:
+    torch.backends.cudnn.benchmark = True
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    bench = _timer(device, n)
+    out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "cases": {}}
+    for name, b, r, k, s, p in cases:
+        res: dict = {}
+        for c in (3, 4, 8):  # the image padded with zero channels
+            x = torch.randn(b, c, r, r, device=device, dtype=dt).contiguous(memory_format=fmt)
+            w = torch.randn(64, c, k, k, device=device, dtype=dt).contiguous(memory_format=fmt)
+            go = torch.randn_like(F.conv2d(x, w, None, s, p))
+            res[f"conv_c{c}_fwd_ms"] = bench(lambda: F.conv2d(x, w, None, s, p))
+            res[f"conv_c{c}_wgrad_ms"] = bench(lambda: torch.ops.aten.convolution_backward(
+                go, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1, [False, True, False]))
+        x = torch.randn(b, 3, r, r, device=device, dtype=dt).contiguous(memory_format=fmt)
+        w32 = torch.randn(64, 3, k, k, device=device) * 0.1
+        w = w32.to(dt).contiguous(memory_format=fmt).requires_grad_()
+
+        def plain(x, w):
+            return F.conv2d(x, w, None, s, p)
+
+        def s2d(x, w):
+            return F.conv2d(fold_input(x, k, p).contiguous(memory_format=fmt),
+                            fold_weight(w, p).contiguous(memory_format=fmt), None, 1, 0)
+
+        ref = F.conv2d(x.float(), w32, None, s, p)
+        res["max_abs_err_plain"] = (plain(x, w).float() - ref).abs().max().item()
+        res["max_abs_err_s2d"] = (s2d(x, w).float() - ref).abs().max().item()
+        go = torch.randn_like(ref, dtype=dt)
+        for tag, f in (("plain", plain), ("s2d", s2d)):
+            res[f"{tag}_eager_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(f(x, w), w, go))
+            if compiled:
+                cf = torch.compile(f, dynamic=False)
+                res[f"{tag}_compiled_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(cf(x, w), w, go))
+        xs = fold_input(x, k, p).contiguous(memory_format=fmt)
+        ws = fold_weight(w.detach(), p).contiguous(memory_format=fmt).requires_grad_()
+        res["s2d_conv_only_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(F.conv2d(xs, ws, None, 1, 0), ws, go))
+        res["s2d_fold_input_ms"] = bench(lambda: fold_input(x, k, p).contiguous(memory_format=fmt))
+        out["cases"][name] = res
+        print(name, " ".join(f"{key}={v:.4f}" for key, v in res.items()), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m tr_hydra.models.stem_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="stem_bench.json")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="one tiny case, eager only (a check of the logic)")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("stem_bench: error: --device cuda, but CUDA is not available", file=sys.stderr)
+        return 2
+    out = run(device, QUICK if a.quick else CASES, n=3 if a.quick else 40, compiled=not a.quick)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"results in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
