@@ -232,14 +232,22 @@ class DaliSource:
             if encoded:
                 paths = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
                 enc = fn.io.file.read(paths)
-                img = fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB, **hw)
+                dev = "mixed" if gpu else "cpu"
+                if augment:  # decode only the random crop's region (DALI's fused decoder and crop)
+                    img = fn.decoders.image_random_crop(enc, device=dev, output_type=types.RGB,
+                                                        random_area=list(d.crop_scale),
+                                                        random_aspect_ratio=list(d.crop_ratio), **hw)
+                    img = fn.resize(img, size=(res, res))
+                else:
+                    img = fn.decoders.image(enc, device=dev, output_type=types.RGB, **hw)
             else:
                 img = fn.external_source(name="images", dtype=types.UINT8, ndim=3, layout="HWC")
                 if gpu:
                     img = img.gpu()
             if augment:
-                img = fn.random_resized_crop(img, size=(res, res), random_area=list(d.crop_scale),
-                                             random_aspect_ratio=list(d.crop_ratio))
+                if not encoded:
+                    img = fn.random_resized_crop(img, size=(res, res), random_area=list(d.crop_scale),
+                                                 random_aspect_ratio=list(d.crop_ratio))
                 mirror = fn.random.coin_flip() if d.flip else 0
             else:
                 shorter = res if split == "train" else int(round(res / d.val_crop))

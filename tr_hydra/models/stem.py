@@ -1,7 +1,7 @@
 """The stem convolution computed as a space-to-depth convolution.
 
 A stride-2 convolution over the 3-channel image (ResNet's 7x7 stem) is a poor fit for cuDNN: on
-the H200 it ran at about 34 TFLOPS, 2.9 ms of forward and weight gradient per ResNet-50 step at
+the H200 it ran at about 40 TFLOPS, 2.9 ms of forward and weight gradient per ResNet-50 step at
 batch 256, 8% of the step. The same convolution can be written as a stride-1 convolution over
 the image folded into 2x2 blocks (12 channels at half the height and width) with a 4x4 kernel
 rearranged from the 7x7 one plus a zero tap. That form ran in 1.5 ms (``docs/benchmarks.md``).
