@@ -107,3 +107,27 @@ def test_stem_bench_runs_and_checks_the_fold(tmp_path):
                 "s2d_conv_only_fwd_wgrad_ms", "s2d_fold_input_ms"):
         assert res[key] > 0, key
     assert res["max_abs_err_s2d"] < 1e-4 and res["max_abs_err_plain"] < 1e-4
+
+
+def test_bn_folding_and_validation_read_the_folded_stem(tmp_path):
+    """Validation with BN folded into the convs (the stem included) gives the logits of the
+    plain model, and the trainer's validation equals an eager pass of the same weights."""
+    import dataclasses
+    pc = small_config(model="resnet18", batch=8, train_size=24, val_size=8, val_batch=8, res=32, val_res=32,
+                      lowres_res=32, bn_folded=True)
+    pc = dataclasses.replace(pc, runtime=RuntimeSpec(device="cpu", compile="none", stem="space_to_depth"))
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    tr.fit()
+    assert type(tr.model.conv1) is SpaceToDepthConv2d
+    tr.model.eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        plain = tr.model(x)
+        tr.ex.before_validation()
+        with tr.ex.folded():
+            folded = tr.model(x)
+    assert torch.allclose(plain, folded, rtol=1e-4, atol=1e-4)
+    ref = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+    ref.load_state_dict({"weight": tr.model.conv1.weight.detach().clone()})
+    with torch.no_grad():
+        torch.testing.assert_close(tr.model.conv1(x), ref(x), rtol=1e-5, atol=1e-5)
