@@ -145,6 +145,7 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     assert "x best PyTorch" in out.stdout and "epoch mix" in out.stdout
     res = json.loads((tmp_path / "b.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
+    assert res["runtime"]["stem"] == "auto" and res["runtime"]["device"] == "auto"  # the run's settings
     for m in res["modes"]:
         assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
     assert res["modes"][1]["img_per_sec_single_buffer_median"] > 0  # tr_hydra timed both ways

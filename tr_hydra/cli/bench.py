@@ -72,7 +72,8 @@ def end_to_end(pc, b, device) -> dict:
         _sync(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"config": fpc.describe(), "device": str(device), "data": b.data, "train_images": fpc.train_size,
+    return {"config": fpc.describe(), "runtime": dataclasses.asdict(fpc.runtime), "device": str(device),
+            "data": b.data, "train_images": fpc.train_size,
             "batch": v.batch, "res": v.res, "modes": records}
 
 
@@ -482,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             for m in built:  # interleaved repeats
                 m.time(b.steps)
         records = [m.record() for m in built]
-        out = {"config": pc.describe(), "device": str(device), "batch": pc.batch_size,
+        out = {"config": pc.describe(), "runtime": dataclasses.asdict(pc.runtime), "device": str(device),
+               "batch": pc.batch_size,
                "res": pc.variant("train_base").res, "steps": b.steps, "repeats": b.repeats, "modes": records}
         if b.profile:
             out["profile"] = [profile_mode(m) for m in built]
