@@ -173,18 +173,19 @@ def test_close_destroys_the_captured_graphs(tmp_path):
 
 @pytest.mark.parametrize("compile", ["none", "inductor"])
 def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile):
-    """On CUDA the stem is folded by default; one captured bf16 step of resnet18 moves every
-    tensor as the plain conv's step does (within bf16 rounding: 5e-2 of the change; a wrong fold
-    gives O(1)), and the synthetic bank sits in pinned host memory."""
+    """On CUDA the stem is folded by default; one captured bf16 step of resnet18 (eager model or
+    Inductor) moves every tensor as the plain conv's eager-model step does (bf16 rounding: the
+    stem's weight within 5e-2 of its change, every tensor within 0.15; a wrong fold gives O(1)),
+    and the synthetic bank sits in pinned host memory."""
     import dataclasses
 
     from tr_hydra.models.stem import SpaceToDepthConv2d
     out = {}
-    for stem in ("auto", "conv"):
-        pc = small_config(model="resnet18", device="cuda", amp=True, compile=compile, batch=16,
+    for stem, mode in (("auto", compile), ("conv", "none")):
+        pc = small_config(model="resnet18", device="cuda", amp=True, compile=mode, batch=16,
                           train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem=stem))
-        tr = Trainer(pc, tmp_path / stem, log=lambda *_: None, telemetry=False)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem=stem, precompile=0))
+        tr = Trainer(pc, tmp_path / f"{stem}_{mode}", log=lambda *_: None, telemetry=False)
         assert (type(tr.model.conv1) is SpaceToDepthConv2d) == (stem == "auto")
         tr.capture()
         before = {k: v.clone() for k, v in tr.final_state_dict().items()}
@@ -201,4 +202,4 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile):
         change = (w.double() - b1[k].double()).norm()
         if change > 0:
             err = ((got[k].double() - w.double()).norm() / change).item()
-            assert err < 5e-2, (k, err)
+            assert err < (5e-2 if k == "conv1.weight" else 0.15), (k, err)
