@@ -202,3 +202,12 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
     assert "waited" in out.stdout
     bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown ['reduce-overhead'] with bench.data" in bad.stderr
+
+
+def test_done_line_says_when_no_validation_ran(tmp_path):
+    """A run stopped by max_steps before its first epoch ended has no validation figure; the last
+    line says so instead of printing nan."""
+    out = run("tr-train", "recipe=cpu_smoke", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-1500:]
+    done = [l for l in out.stdout.splitlines() if l.startswith("done:")][0]
+    assert "2 steps" in done and "final val top1 n/a (the last epoch ran no validation)" in done and "nan" not in done

@@ -85,9 +85,9 @@ def run(cfg) -> dict:
     if result.preempted:
         return {}
     last = result.epochs[-1] if result.epochs else {}
-    say(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, "
-        f"final val top1 {last.get('val', {}).get('top1', float('nan')):.2f}, "
-        f"weights in {result.final_path}")
+    top1 = last.get("val", {}).get("top1")
+    val = f"final val top1 {top1:.2f}" if top1 is not None else "final val top1 n/a (the last epoch ran no validation)"
+    say(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, {val}, weights in {result.final_path}")
     return last
 
 
