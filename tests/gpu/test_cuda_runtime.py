@@ -171,35 +171,58 @@ def test_close_destroys_the_captured_graphs(tmp_path):
             g.replay()
 
 
-@pytest.mark.parametrize("compile", ["none", "inductor"])
-def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile):
-    """On CUDA the stem is folded by default; one captured bf16 step of resnet18 (eager model or
-    Inductor) moves every tensor as the plain conv's eager-model step does (bf16 rounding: the
-    stem's weight within 5e-2 of its change, every tensor within 0.15; a wrong fold gives O(1)),
-    and the synthetic bank sits in pinned host memory."""
+def _one_step(tmp_path, name, stem, compile, amp):
+    """States before and after one captured training step of resnet18 at 64x64."""
     import dataclasses
+    pc = small_config(model="resnet18", device="cuda", amp=amp, compile=compile, batch=16,
+                      train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem=stem, precompile=0))
+    tr = Trainer(pc, tmp_path / name, log=lambda *_: None, telemetry=False)
+    tr.capture()
+    before = {k: v.clone() for k, v in tr.final_state_dict().items()}
+    tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
+    torch.cuda.synchronize()
+    after = {k: v.clone() for k, v in tr.final_state_dict().items()}
+    bank = next(iter(tr.source._banks.values()))[0]
+    model_stem = type(tr.model.conv1)
+    tr.close()
+    return before, after, model_stem, bank
 
+
+@pytest.mark.parametrize("compile", ["none", "inductor"])
+def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, monkeypatch):
+    """On CUDA the stem is folded by default. One captured training step of resnet18 (eager
+    model or Inductor) against an fp32 plain-conv step with TF32 off:
+    - in fp32, the folded stem's step moves every tensor as the reference does (within 5e-2 of
+      its change: measured up to 0.0101, the fp32 rounding of a different summation order
+      amplified by the one-step change's cancellations; a wrong fold is O(1) off);
+    - in bf16, every tensor is no further from the reference than the plain conv's bf16 step is
+      (1.5x its distance + 0.02). bf16 alone puts a step 0.2-0.45 of its change away from the
+      fp32 one here (measured), the plain conv's and the folded one's alike, so a fixed bound
+      would say nothing.
+    The synthetic bank sits in pinned host memory."""
     from tr_hydra.models.stem import SpaceToDepthConv2d
-    out = {}
-    for stem, mode in (("auto", compile), ("conv", "none")):
-        pc = small_config(model="resnet18", device="cuda", amp=True, compile=mode, batch=16,
-                          train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem=stem, precompile=0))
-        tr = Trainer(pc, tmp_path / f"{stem}_{mode}", log=lambda *_: None, telemetry=False)
-        assert (type(tr.model.conv1) is SpaceToDepthConv2d) == (stem == "auto")
-        tr.capture()
-        before = {k: v.clone() for k, v in tr.final_state_dict().items()}
-        tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
-        torch.cuda.synchronize()
-        out[stem] = (before, tr.final_state_dict())
-        bank = next(iter(tr.source._banks.values()))[0]
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    b_ref, ref, kind, _ = _one_step(tmp_path, "ref", "conv", "none", False)
+    assert kind is torch.nn.Conv2d
+    runs = {}
+    for name, stem, amp in (("s2d32", "auto", False), ("s2d16", "auto", True), ("conv16", "conv", True)):
+        before, after, kind, bank = _one_step(tmp_path, name, stem, compile, amp)
+        assert (kind is SpaceToDepthConv2d) == (stem == "auto")
         assert not bank.is_cuda and bank.is_pinned()
-    (b0, got), (b1, want) = out["auto"], out["conv"]
-    for k, w in want.items():
-        assert torch.equal(b0[k], b1[k]), k
-        if not w.is_floating_point():
+        for k, w in b_ref.items():
+            assert torch.equal(before[k], w), (name, k)  # the same start
+        runs[name] = after
+
+    def dist(name, k):
+        change = (ref[k].double() - b_ref[k].double()).norm()
+        return ((runs[name][k].double() - ref[k].double()).norm() / change).item()
+    checked = 0
+    for k, w in ref.items():
+        if not w.is_floating_point() or torch.equal(w, b_ref[k]):
             continue
-        change = (w.double() - b1[k].double()).norm()
-        if change > 0:
-            err = ((got[k].double() - w.double()).norm() / change).item()
-            assert err < (5e-2 if k == "conv1.weight" else 0.15), (k, err)
+        checked += 1
+        assert dist("s2d32", k) < 5e-2, (k, dist("s2d32", k))
+        assert dist("s2d16", k) <= 1.5 * dist("conv16", k) + 0.02, (k, dist("s2d16", k), dist("conv16", k))
+    assert checked > 50
