@@ -38,8 +38,9 @@ class Compiled:
 
     @property
     def activation_estimate(self) -> int:
-        """Bytes autograd will save in the largest training variant (the shared graph pool)."""
-        return max((r.saved_activation_bytes for r in self.shapes.values()), default=0)
+        """Bytes autograd will save in the largest training variant (the shared graph pool), with
+        what the backward recomputes on top at its peak under ``runtime.recompute=pointwise``."""
+        return max((r.activation_peak_bytes for r in self.shapes.values()), default=0)
 
     @property
     def gradient_transient(self) -> int:
@@ -135,6 +136,14 @@ def instantiate_model(pc: PlanConfig, device: str | torch.device = "cpu") -> nn.
                            zero_init_residual=pc.model.zero_init_residual, width=pc.model.width)
 
 
+def recomputes_pointwise(pc: PlanConfig) -> bool:
+    """Whether the step's backward recomputes pointwise results (``runtime.recompute``: only with
+    Inductor, which ``compile=auto`` picks on CUDA)."""
+    rt = pc.runtime
+    inductor = rt.compile == "inductor" or (rt.compile == "auto" and rt.device != "cpu")
+    return inductor and rt.recompute == "pointwise"
+
+
 def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     """Everything decided before the first step: runs on the meta device, needs no GPU.
     ``fused``: whether the run will use the fused kernels (see ``fused_update_reads_16bit``)."""
@@ -145,7 +154,8 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
-    shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train)
+    shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
+                                recompute=recomputes_pointwise(pc))
               for v in pc.variants}
     compiled = Compiled(pc, model_map, plan, shapes, dt)
     compiled.program = build_program(compiled)

@@ -95,6 +95,7 @@ class RuntimeSpec:
     precompile: str | int = "auto"
     precompile_first: bool = False
     stem: str = "auto"
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,11 @@ class Stem(enum.Enum):
     space_to_depth = "space_to_depth"  # a stride-2 stem over the image as a stride-1 conv over 2x2 blocks
 
 
+class Recompute(enum.Enum):
+    none = "none"            # the partitioner's default: BatchNorm+ReLU outputs saved for the backward
+    pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
+
+
 class PlanFormat(enum.Enum):
     table = "table"
     json = "json"
@@ -180,6 +185,7 @@ class RuntimeConfig:
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
+    recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
 
 
 @dataclass

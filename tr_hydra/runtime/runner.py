@@ -150,6 +150,12 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             forward = torch.compile(model, dynamic=False)
+            if pc.runtime.recompute != "none":
+                from tr_hydra.runtime.recompute import with_recompute
+                forward = with_recompute(forward, pc.runtime.recompute)
+                self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
+        elif pc.runtime.recompute != "none":
+            self.log(f"runtime.recompute={pc.runtime.recompute} has no effect without Inductor (runtime.compile)")
         self.inductor = forward is not model
         self.precompile_summary: dict | None = None
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
