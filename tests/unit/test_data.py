@@ -405,3 +405,38 @@ def test_synthetic_bank_in_the_input_buffer_layout_is_one_plain_copy(tmp_path):
     tr.feeder.put("B", "train_base", (xp, yp))
     img, lab = tr.ex.input_views("train_base", "B")
     assert img.shape == (32, 16, 16, 3) and torch.equal(img, x) and torch.equal(lab, y)
+
+
+def test_bf16_runs_keep_dalis_fp16_in_the_input_buffer(tmp_path):
+    """DALI has no bf16: under bf16 compute the input buffer holds DALI's fp16 as delivered (the
+    bytes of the decode, no staging buffer, no cast pass), and the model under autocast sees the
+    same values a cast to bf16 on the copy gave: the logits are equal. Training runs on it."""
+    from tr_hydra.runtime.runner import Trainer
+    pixels = make_folder(tmp_path, size=16)
+    pc = folder_config(tmp_path, amp=True, amp_dtype="bf16")
+    tr = Trainer(dataclasses.replace(pc, trainer=TrainerSpec(epochs=1)), tmp_path / "run", log=lambda *_: None)
+    assert tr.ex.input_dtype == torch.float16
+    assert not hasattr(tr.feeder, "_staging")
+    batch = tr.source.batch("train", 0, 4, 4, 16)
+    dense = _dense(batch)
+    assert dense.dtype == np.float16
+    tr.feeder.put("B", "train_base", batch)
+    img, lab = tr.ex.input_views("train_base", "B")
+    assert img.dtype == torch.float16
+    assert torch.equal(img, torch.from_numpy(dense[..., :3]))  # the decode's bits
+    paths = tr.source.index["train"].paths
+    want = np.stack([(pixels[p].astype(np.float32) - MEAN) / STD for p in paths[:4]])
+    assert np.abs(img.float().numpy() - want).max() < 2e-2  # fp16 of the normalised pixels
+    x = img.permute(0, 3, 1, 2)
+    with torch.no_grad(), tr.ex._autocast():
+        got = tr.ex.forward_fn(x)
+        ref = tr.ex.forward_fn(x.to(torch.bfloat16))
+    assert torch.equal(got, ref)
+    result = tr.fit()
+    assert result.steps == 3 and all(np.isfinite(e["train"]["loss"]) and np.isfinite(e["val"]["loss"])
+                                     for e in result.epochs), result.epochs
+    # fp16 compute and synthetic data keep the compute dtype in the buffer
+    from tr_hydra.runtime.executor import input_dtype
+    assert input_dtype(dataclasses.replace(pc, amp_dtype="fp16"), torch.float16) is None
+    assert input_dtype(small_config(amp=True), torch.bfloat16) is None
+    assert input_dtype(dataclasses.replace(pc, amp=False), torch.bfloat16) is None

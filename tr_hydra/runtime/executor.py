@@ -96,6 +96,19 @@ def fused_kernels(kernels: str, device_type: str):
     return triton_ops
 
 
+def input_dtype(pc, half: torch.dtype) -> torch.dtype | None:
+    """The dtype the input buffers hold when it is not the compute dtype, else None.
+
+    DALI has no bfloat16 output. So under bf16 compute, a DALI source (every source but
+    ``synthetic``) writes its fp16 straight into the input buffer: same size, no staging buffer,
+    no cast pass. The step's first convolution runs under autocast, which converts its input to
+    bf16; with Inductor that conversion is part of the stem's first kernel (the space-to-depth
+    fold), not a pass of its own. The values are the ones a cast on the copy gave."""
+    if pc.amp and half == torch.bfloat16 and pc.data.name != "synthetic":
+        return torch.float16
+    return None
+
+
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
@@ -110,6 +123,9 @@ class StepExecutor:
         self.device = arena.device
         self.amp = self.pc.amp
         self.fp16 = self.pc.amp and self.pc.amp_dtype == "fp16"
+        # what the input buffers hold: the compute dtype, or what the source delivers when that
+        # differs (DALI's fp16 under bf16 compute: ``input_dtype``)
+        self.input_dtype = input_dtype(self.pc, arena.half_dtype)
         pl = self.plan
 
         def scalar(name):
@@ -205,6 +221,8 @@ class StepExecutor:
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(images NHWC, labels [b]) of one input buffer in a variant's shape."""
         img = self.arena.view(self.plan[f"input_{buffer}.data"], variant, padded)
+        if self.input_dtype is not None:
+            img = img.view(self.input_dtype)  # the same bytes, as the source wrote them
         lab = self.arena.view(self.plan[f"input_{buffer}.label"], variant).view(-1)
         return img, lab
 

@@ -12,8 +12,6 @@ reductions are never recomputed (the allowlist and the reduction ban stay).
 """
 from __future__ import annotations
 
-import functools
-
 MODES = ("none", "pointwise")
 
 # The min-cut options the partitioner itself switches to first when it is given an activation
@@ -44,7 +42,6 @@ def with_recompute(forward, mode: str):
     if missing:  # a PyTorch without these knobs: say so rather than silently saving everything
         raise RuntimeError(f"runtime.recompute={mode}: this PyTorch has no partitioner option {missing[0]}")
 
-    @functools.wraps(forward)
     def call(*args, **kwargs):
         with fconfig.patch(**opts):
             return forward(*args, **kwargs)
