@@ -110,3 +110,14 @@ def test_trainer_compiles_under_the_options(tmp_path):
     assert getattr(tr.ex.forward_fn, "recompute", None) == "pointwise"
     assert any("runtime.recompute=pointwise" in line for line in logs)
     tr.close()
+
+
+def test_tr_bench_has_a_recompute_mode_beside_the_default():
+    from tr_hydra.cli.bench import _modes, tr_runtime
+    from tr_hydra.config.plan_config import RuntimeSpec
+    rt = RuntimeSpec(stem="conv")
+    assert tr_runtime("tr-recompute", rt) == dataclasses.replace(rt, compile="inductor", recompute="pointwise")
+    assert tr_runtime("tr-inductor", rt) == dataclasses.replace(rt, compile="inductor")
+    assert tr_runtime("tr", rt) == dataclasses.replace(rt, compile="none")
+    assert _modes(["reduce-overhead", "tr-inductor", "tr-recompute"], torch.device("cpu")) == \
+        ["reduce-overhead", "tr-inductor", "tr-recompute"]

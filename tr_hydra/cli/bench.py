@@ -17,7 +17,7 @@ import torch
 from tr_hydra.cli._common import compose, user_errors
 
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
-TR_MODES = ("tr", "tr-inductor")
+TR_MODES = ("tr", "tr-inductor", "tr-recompute")
 E2E_MODES = ("tr", "dali-compile", "dl-compile")
 
 
@@ -93,6 +93,15 @@ def e2e_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tr_runtime(mode: str, runtime):
+    """tr_hydra's runtime settings for a bench mode: ``tr`` the eager model, ``tr-inductor``
+    Inductor, ``tr-recompute`` Inductor with ``runtime.recompute=pointwise`` (less activation
+    memory for a slower step); the rest of ``runtime`` as given."""
+    if mode == "tr-recompute":
+        return dataclasses.replace(runtime, compile="inductor", recompute="pointwise")
+    return dataclasses.replace(runtime, compile="inductor" if mode == "tr-inductor" else "none")
+
+
 class Mode:
     """One way of running the training step, built and warmed up, ready to be timed."""
 
@@ -112,8 +121,7 @@ class Mode:
             self.step = step
         else:
             from tr_hydra.runtime.runner import Trainer
-            tpc = dataclasses.replace(pc, runtime=dataclasses.replace(
-                pc.runtime, compile="inductor" if name == "tr-inductor" else "none"))
+            tpc = dataclasses.replace(pc, runtime=tr_runtime(name, pc.runtime))
             self.trainer = Trainer(tpc, "/tmp/tr_bench_run", log=lambda *_: None, telemetry=False)
             self.trainer.capture()
             self.step = None
