@@ -145,7 +145,13 @@ def test_random_small_configurations_plan_and_train(tmp_path, model, optimizer, 
                       trainer=TrainerSpec(epochs=2, max_steps=2))
     c = compile_plan(pc)
     c.plan.validate()  # all four validations
-    assert len({t.offset for t in c.plan.dtensors if t.slot_bytes}) == len([t for t in c.plan.dtensors if t.slot_bytes])
+    own = [t for t in c.plan.dtensors if t.slot_bytes and t.region not in c.plan.shared]
+    assert len({t.offset for t in own}) == len(own)  # no two tensors on one slot...
+    for t in c.plan.dtensors:  # ...but the 16-bit gradients, each on its own 16-bit weight
+        if t.region in c.plan.shared:
+            twin = c.plan["amp." + t.name.removeprefix("grad16.")]
+            assert (t.offset, t.slot_bytes, twin.region) == (twin.offset, twin.slot_bytes, c.plan.shared[t.region])
+    assert bool(c.plan.shared) == (amp is not None)
     tr = Trainer(pc, tmp_path / f"r{np.random.randint(1 << 30)}", log=lambda *_: None, telemetry=False)
     res_ = tr.fit()
     assert res_.steps == 2

@@ -2,6 +2,7 @@
 the fused kernels against the plain-torch reference."""
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -120,6 +121,16 @@ def _check_grad16(op, w, g, st, h, wd, gt, dev, segments=None) -> list[str]:
             if not all(torch.equal(x, y) for x, y in zip(a, b)) or (na is not None and not torch.equal(na, nb)):
                 failures.append(f"{op} gate={gt is not None and gt.item()} {dt} scale={scale}: "
                                 f"reading the 16-bit gradients differs from cast, then update")
+            # plan.share_grad16: the 16-bit copy is written over the gradients it was computed
+            # from (one buffer): the same update, and the buffer ends as the new weights' cast
+            c = [w.clone()] + [x.clone() for x in st]
+            one = g16.clone()
+            nc = torch.zeros_like(nb) if nb is not None else None
+            tri.fused_update(op, c[0], one, c[1:], h, wd, gt, g_scale=sc, half=one, **extra,
+                             **({"norms": nc} if nc is not None else {}))
+            if not all(torch.equal(x, y) for x, y in zip(b, c)) or not torch.equal(one, c[0].to(dt)):
+                failures.append(f"{op} gate={gt is not None and gt.item()} {dt} scale={scale}: "
+                                f"the 16-bit copy written over the gradients changes the update")
     return failures
 
 
@@ -131,11 +142,30 @@ def _check_fused_skip(tr) -> list[str]:
     from tr_hydra.telemetry.tensorboard import SpanNorms
     failures = []
     ex, a = tr.ex, tr.arena
-    ex.train_step("train_base", "A")
     g16 = a.span(*series_span("G16", MATRIX_KINDS))
     gb = a.span(*series_span("G", BIAS_KINDS))
-    want = (g16.float().norm() ** 2 + gb.norm() ** 2).sqrt().item()
-    got = SpanNorms(a, ex.grads_read_16bit).read()["G"]
+    if tr.compiled.plan.shared:
+        # the 16-bit gradients are the new 16-bit weights by the end of the step: recompute them
+        # with the step's own ops up to the check, and take the norm there
+        from tr_hydra.runtime.executor import StepContext
+        names = [n.op for n in tr.compiled.program.train]
+        ctx = StepContext(variant="train_base", buffer="A")
+        for op in ex.train_ops[:names.index("RANGE_CHECK_NAN")]:
+            op(ctx)
+        want = (g16.float().norm() ** 2 + gb.norm() ** 2).sqrt().item()
+        for op in ex.train_ops[names.index("RANGE_CHECK_NAN"):]:
+            op(ctx)
+        if ex.grad16_sumsq is None:
+            failures.append("executor: the shared 16-bit gradients' sum of squares is not taken")
+        norms = SpanNorms(a, ex.grads_read_16bit, ex.grad16_sumsq).read()
+        loose = SpanNorms(a, ex.grads_read_16bit).read()
+        if "G" in loose or abs(loose.get("G_fp32", -1.0) - gb.norm().item()) > 1e-5 * gb.norm().item():
+            failures.append("telemetry: without the step's sum of squares the gradient norm is not G_fp32")
+    else:
+        ex.train_step("train_base", "A")
+        want = (g16.float().norm() ** 2 + gb.norm() ** 2).sqrt().item()
+        norms = SpanNorms(a, ex.grads_read_16bit).read()
+    got = norms["G"]
     if abs(got - want) > 1e-5 * want:
         failures.append(f"telemetry: gradient norm {got} is not that of the gradients the update read ({want})")
     scale = ex.scalar("loss_scale")
@@ -155,6 +185,9 @@ def _check_fused_skip(tr) -> list[str]:
     if not (torch.equal(a.span(*series_span("W", MATRIX_KINDS)), w_before)
             and torch.equal(a.span(*series_span("M", MATRIX_KINDS)), m_before)):
         failures.append("executor: the update ran on a step with an inf gradient")
+    w16 = a.span(*series_span("A", MATRIX_KINDS))
+    if not torch.equal(w16, w_before.to(w16.dtype)):  # over the poisoned gradient when shared
+        failures.append("executor: after a skipped step the 16-bit weights are not the masters' cast")
     if ex.scalar("loss_scale") >= scale:
         failures.append("executor: the fp16 loss scale did not back off")
     return failures
@@ -183,7 +216,16 @@ def check_nonfinite(dev) -> list[str]:
         bad = [not torch.isfinite(p).all().item() for p in parts]
         spans = [(torch.cat(parts[a:b]).to(dt), starts[a], a) for a, b, dt in groups]
         step.fill_(float(t))
-        tri.nonfinite_check(spans, flags, mask, found, count, first_step, step)
+        sq = torch.full((2,), 5.0, device=dev) if t == 0 else sq  # the accumulator starts dirty once
+        if t == 0:
+            sq[0] = 0.0
+        tri.nonfinite_check(spans, flags, mask, found, count, first_step, step, sq=(sq[0:1], sq[1:2], 1))
+        want_sq = spans[1][0].float().square().sum().item()
+        got_sq = sq[1].item()
+        if sq[0].item() != 0.0 or (math.isfinite(want_sq) != math.isfinite(got_sq)) or (
+                math.isfinite(want_sq) and abs(got_sq - want_sq) > 1e-5 * want_sq):
+            failures.append(f"nonfinite check step {t}: sum of squares {got_sq}, want {want_sq}, "
+                            f"accumulator left at {sq[0].item()}")
         if any(bad):
             expect_count += 1
             if not any(expect_mask):
@@ -202,15 +244,23 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
     gradient still skips the step and is named."""
     import dataclasses
     from tests.helpers import small_config
+    from tr_hydra.memory.regions import MATRIX_KINDS, series_span
     from tr_hydra.runtime.runner import Trainer
     failures, states = [], {}
-    for kernels in ("torch", "triton"):
-        pc = small_config(device=dev.type, amp=True, amp_dtype="fp16", max_steps=4, train_size=64, val_size=32)
+    for kernels, share in (("torch", True), ("triton", True), ("triton", False)):
+        pc = small_config(device=dev.type, amp=True, amp_dtype="fp16", max_steps=4, train_size=64, val_size=32,
+                          share_grad16=share)
         # deterministic on the GPU: cuDNN's run-to-run noise would swamp the kernels' rounding
         pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, kernels=kernels,
                                                                  deterministic=dev.type == "cuda"))
-        tr = Trainer(pc, f"/tmp/tr_fuse_{kernels}", log=lambda *_: None, telemetry=False)
+        tr = Trainer(pc, f"/tmp/tr_fuse_{kernels}_{share}", log=lambda *_: None, telemetry=False)
         tr.fit()
+        if kernels == "triton" and not share:  # same kernels, the gradients on their own bytes
+            w2, a2 = (tr.arena.span(*series_span(s_, MATRIX_KINDS)).clone() for s_ in ("W", "A"))
+            if not (torch.equal(w2, states["triton"][0]) and torch.equal(a2, states["triton"][1])):
+                failures.append("executor: gradients on the 16-bit weights' bytes train differently")
+            failures += _check_fused_skip(tr)
+            continue
         if kernels == "triton":
             casts = sorted(n.op for n in tr.compiled.program.train if id(n) in tr.ex._fused_away)
             if casts != ["RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"]:
@@ -221,7 +271,6 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
             if any(unused.values()):  # the update reads the 16-bit gradients: no fp32 twins
                 failures.append(f"plan: fp32 matrix gradients kept under fused AMP: {unused}")
         a = tr.arena
-        from tr_hydra.memory.regions import MATRIX_KINDS, series_span
         states[kernels] = (a.span(*series_span("W", MATRIX_KINDS)).clone(),
                            a.span(*series_span("A", MATRIX_KINDS)).clone())
         if kernels == "triton":

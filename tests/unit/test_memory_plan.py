@@ -229,3 +229,38 @@ def test_executor_refuses_a_plan_without_the_gradients_it_would_write(tmp_path, 
     pc = small_config(amp=True)  # on the CPU: the plain-torch kernels, which write them
     with pytest.raises(RuntimeError, match="leaves the fp32 matrix gradients out.*no fused kernels"):
         runner.Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)
+
+
+def test_16bit_gradients_lie_on_the_16bit_weights_bytes():
+    """``plan.share_grad16`` (the default under AMP): every G_*_FP16 tensor sits at the offset
+    of its A twin, the arena is smaller by exactly the 16-bit slots (by hand: align256(2 * numel
+    + 16) per conv/fc weight of torchvision's ResNet-50), no other region changes size, the
+    G16 span resolves to the A span, and a span that would mix own and shared bytes is refused."""
+    import torch
+    with torch.device("meta"):
+        meta = torchvision.models.resnet50(num_classes=10)
+    shared = build_plan(small_config(model="resnet50", amp=True), map_model(meta), fused=True)
+    own = build_plan(small_config(model="resnet50", amp=True, share_grad16=False), map_model(meta), fused=True)
+    assert shared.conditions.grad16_on_a and not own.conditions.grad16_on_a
+    matrices = [p for p in meta.parameters() if p.dim() in (2, 4)]
+    slots16 = sum((2 * p.numel() + 16 + 255) // 256 * 256 for p in matrices)
+    assert own.total_bytes - shared.total_bytes == slots16
+    for r in R:
+        assert shared.region_size[r] == own.region_size[r], r.name
+    for k in MATRIX_KINDS:
+        a, g = shared.tensors_in(R[f"A_{k}"]), shared.tensors_in(R[f"G_{k}_FP16"])
+        assert [t.offset for t in g] == [t.offset for t in a] and len(a) == len([
+            p for p in own.tensors_in(R[f"A_{k}"])])
+    assert shared.region_range(R.G_FC_WEIGHT_FP16, R.G_DEEP_CONV_FP16) == shared.region_range(R.A_FC_WEIGHT, R.A_DEEP_CONV)
+    with pytest.raises(PlanError, match="mixes"):
+        shared.region_range(R.R_RESULT, R.G_FC_WEIGHT_FP16)
+    assert shared.series_bytes()["G16"] == 0 and own.series_bytes()["G16"] == slots16
+    # the regions after A's twins keep their order; the arena still ends at its last region
+    assert shared.total_bytes == shared.region_base[R.R_RESULT_ACCUMULATED] + shared.region_size[R.R_RESULT_ACCUMULATED]
+    # without AMP there are no 16-bit gradients and nothing is shared
+    fp32 = build_plan(small_config(model="resnet50"), map_model(meta))
+    assert not fp32.shared
+    with pytest.raises(PlanError, match="only under AMP"):
+        PlanConditions(amp=False, grad16_on_a=True)
+    # the training bytes by series: nothing counted twice
+    assert sum(shared.series_bytes().values()) == shared.total_bytes

@@ -306,3 +306,27 @@ def test_run_log_keeps_lines_and_the_error_that_ended_the_run(tmp_path, capsys):
     lines = (tmp_path / "train.log").read_text().splitlines()
     assert lines[0].endswith("] epoch   1  step 10")
     assert lines[1].endswith("] stopped: ValueError: bad batch")
+
+
+@pytest.mark.parametrize("amp_dtype,optimizer", [("bf16", "momentum"), ("fp16", "adam"), ("bf16", "lars")])
+def test_gradients_on_the_16bit_weights_train_exactly_as_with_their_own_bytes(tmp_path, amp_dtype, optimizer):
+    """With ``plan.share_grad16`` the 16-bit gradients overwrite the 16-bit weights after the
+    backward: the weights, optimizer state, BN statistics and 16-bit weights after a run are
+    bit-equal to a run whose gradients have their own bytes, and so are the losses."""
+    from tr_hydra.runtime.checkpoint import persistent_regions
+    opt = OptimizerSpec(name=optimizer, lr=1e-3 if optimizer == "adam" else 0.05, schedule="constant")
+    runs = {}
+    for share in (True, False):
+        tr = _trainer(tmp_path / str(share), amp=True, amp_dtype=amp_dtype, optimizer=opt, epochs=2,
+                      train_size=96, batch=32, lowres_epochs=1, share_grad16=share)
+        res = tr.fit()
+        assert bool(tr.compiled.plan.shared) == share
+        regions = {r.name: tr.arena.span(r, r, torch.uint8).clone() for r in persistent_regions(tr.arena)}
+        runs[share] = (res, regions, tr.compiled.plan.total_bytes)
+    (ra, sa, ta), (rb, sb, tb) = runs[True], runs[False]
+    assert ta < tb
+    assert sa.keys() == sb.keys() and "A_DEEP_CONV" in sa
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+    assert [e["train"] for e in ra.epochs] == [e["train"] for e in rb.epochs]
+    assert [e["val"] for e in ra.epochs] == [e["val"] for e in rb.epochs]

@@ -25,8 +25,14 @@ def plan_table(compiled) -> str:
             continue
         n = len(plan.tensors_in(r))
         size = plan.region_size[r]
-        lines.append(f"{r.number:>3} {r.name:<22} {n:>7} {size:>15,} {plan.region_base[r]:>15,} "
-                     f"{100.0 * size / total:>6.2f}%")
+        share = f"on {plan.shared[r].name}" if r in plan.shared else f"{100.0 * size / total:>6.2f}%"
+        lines.append(f"{r.number:>3} {r.name:<22} {n:>7} {size:>15,} {plan.region_base[r]:>15,} {share:>7}")
+    if plan.shared:
+        lines += ["", "on another region's bytes: "
+                  + ", ".join(f"{r.name} on {t.name}" for r, t in plan.shared.items())
+                  + " (the backward is the last reader of the 16-bit weights; the gradients are "
+                  "written after it, and the weight update rewrites the 16-bit weights after "
+                  "reading them: plan.share_grad16)"]
     lines += ["", "per series:"]
     sb = plan.series_bytes()
     for s in SERIES_ORDER:
@@ -64,6 +70,7 @@ def plan_json(compiled) -> dict:
         "predicted_need_bytes": compiled.predicted_need,
         "regions": [{"index": int(r), "name": r.name, "base_offset": plan.region_base[r],
                      "total_bytes": plan.region_size[r], "series": series_of(r),
+                     "on": plan.shared[r].name if r in plan.shared else None,
                      "populated": plan.is_region_populated(r)} for r in ALL_REGIONS],
         "dtensors": [{"id": t.id, "name": t.name, "region": t.region.name, "shape": list(t.shape),
                       "dtype": t.dtype.value, "offset": t.offset, "slot_bytes": t.slot_bytes}

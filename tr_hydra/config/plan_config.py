@@ -135,6 +135,7 @@ class PlanConfig:
     ema_decay: float = 0.9999
     ema_warmup: bool = True
     bn_folded: bool = False
+    share_grad16: bool = True   # AMP: the 16-bit gradient regions lie on the A regions' bytes
     seed: int = 0
     resume: str | None = None   # a checkpoint path, or "auto": the newest valid one in the run dir
 
@@ -149,7 +150,7 @@ class PlanConfig:
     @property
     def conditions(self) -> PlanConditions:
         return PlanConditions(optimizer=self.optimizer.name, amp=self.amp, ema=self.ema,
-                              bn_folded=self.bn_folded)
+                              bn_folded=self.bn_folded, grad16_on_a=self.amp and self.share_grad16)
 
     def variant(self, name: str) -> VariantSpec:
         for v in self.variants:
@@ -319,5 +320,6 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
                       amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
-                      bn_folded=bool(cfg.plan.bn_folded), seed=int(cfg.seed),
+                      bn_folded=bool(cfg.plan.bn_folded),
+                      share_grad16=bool(cfg.plan.share_grad16), seed=int(cfg.seed),
                       resume=cfg.resume)

@@ -191,6 +191,7 @@ class RuntimeConfig:
 @dataclass
 class PlanSection:
     bn_folded: bool = False
+    share_grad16: bool = True  # AMP: the 16-bit gradients share the 16-bit weights' bytes (A)
     format: PlanFormat = PlanFormat.table
 
 

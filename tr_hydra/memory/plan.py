@@ -38,16 +38,31 @@ class PlanConditions:
     # the fused kernels the weight update reads the 16-bit gradients directly, so nothing writes
     # or reads these: they are left empty. Without AMP they are the gradients themselves.
     matrix_grads_fp32: bool = True
+    # AMP: the 16-bit gradient regions (G_*_FP16) lie on the bytes of their A twins. The step
+    # writes the gradients only after the backward has returned, and the backward is the last
+    # reader of the 16-bit weights; the weight update reads each gradient and then rewrites A
+    # from the (updated or, on a skipped step, unchanged) fp32 master. So one set of bytes
+    # serves both, and the gradients cost no memory through the forward.
+    grad16_on_a: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE:
             raise PlanError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
         if not self.amp and not self.matrix_grads_fp32:
             raise PlanError("without AMP the fp32 matrix gradients are the gradients: they cannot be left out")
+        if self.grad16_on_a and not self.amp:
+            raise PlanError("the 16-bit gradients can share the A regions only under AMP")
 
     @property
     def state_series(self) -> tuple[str, ...]:
         return OPTIMIZER_STATE[self.optimizer]
+
+
+def shared_regions(c: PlanConditions) -> dict[Region, Region]:
+    """Regions laid on another region's bytes: {region: the region whose bytes it uses}."""
+    if not c.grad16_on_a:
+        return {}
+    return {region_for("G16", k): region_for("A", k) for k in MATRIX_KINDS}
 
 
 def enabled_regions(c: PlanConditions) -> frozenset[Region]:
@@ -88,9 +103,10 @@ def range_op_spans(c: PlanConditions) -> list[tuple[Region, Region]]:
         series_span("W", ("BN_BIAS", "BN_WEIGHT", "FC_BIAS")),
         series_span("W", MATRIX_KINDS), series_span("G", MATRIX_KINDS),
         (R.G_BN_BIAS, R.G_FIRST_CONV),  # all-reduce bucket 2
-        (R.G_BN_BIAS, R.G_DEEP_CONV_FP16 if c.amp else R.R_RESULT),  # one clear: grads + results
         (R.I_A_LABEL, R.I_B_DATA),
     ]
+    if not c.grad16_on_a:  # one clear: grads + results (the 16-bit ones too, when they have own bytes)
+        spans.append((R.G_BN_BIAS, R.G_DEEP_CONV_FP16 if c.amp else R.R_RESULT))
     if c.ema:
         spans += [(R.B_PREV_MEAN, R.B_NEXT_VAR), series_span("E", PARAM_KINDS)]
         if c.amp:
@@ -110,6 +126,7 @@ class MemoryPlan:
     def __init__(self, conditions: PlanConditions | None = None):
         self.conditions = conditions or PlanConditions()
         self.enabled = enabled_regions(self.conditions)
+        self.shared = shared_regions(self.conditions)
         self.dtensors: list[DTensor] = []
         self._by_name: dict[str, DTensor] = {}
         self._grad_slots: dict[tuple[int, DType], DTensor] = {}
@@ -259,6 +276,9 @@ class MemoryPlan:
             by_region[t.region].append(t)
         cursor = 0
         for r in ALL_REGIONS:  # enum order is physical order
+            if r in self.shared:  # on its twin's bytes (laid out earlier: twins come first)
+                self._lay_on(r, self.shared[r], by_region)
+                continue
             self.region_base[r] = cursor
             for t in by_region[r]:
                 t.offset = cursor
@@ -268,6 +288,21 @@ class MemoryPlan:
         self.locked = True
         self.validate()
         return self
+
+    def _lay_on(self, r: Region, twin: Region, by_region) -> None:
+        mine, theirs = by_region[r], by_region[twin]
+        if [t.slot_bytes for t in mine] != [t.slot_bytes for t in theirs]:
+            raise LayerCorrespondenceError(
+                f"region {r.name} shares {twin.name}'s bytes but its tensors do not match them "
+                f"one for one ({len(mine)} against {len(theirs)} tensors)")
+        for t, u in zip(mine, theirs):
+            t.offset = u.offset
+        self.region_base[r] = self.region_base[twin]
+        self.region_size[r] = self.region_size[twin]
+
+    def own_bytes(self, r: Region) -> int:
+        """The bytes a region adds to the arena (none for a region on another's bytes)."""
+        return 0 if r in self.shared else self.region_size.get(r, 0)
 
     def validate(self) -> None:
         validate_region_order(self)
@@ -282,6 +317,10 @@ class MemoryPlan:
         end = start if end is None else end
         if end < start:
             raise PlanError(f"empty span {start.name}..{end.name}")
+        inside = [Region(i) in self.shared for i in range(start, end + 1)]
+        if any(inside) and not all(inside):
+            raise PlanError(f"span {start.name}..{end.name} mixes regions on their own bytes with "
+                            f"regions on other regions' bytes")
         off = self.region_base[start]
         return off, self.region_base[end] + self.region_size[end] - off
 
@@ -311,8 +350,8 @@ class MemoryPlan:
     def series_bytes(self) -> dict[str, int]:
         from tr_hydra.memory.regions import series_of
         out: dict[str, int] = {}
-        for r in ALL_REGIONS:
-            out[series_of(r)] = out.get(series_of(r), 0) + self.region_size.get(r, 0)
+        for r in ALL_REGIONS:  # the arena's bytes: a region on another's bytes adds none
+            out[series_of(r)] = out.get(series_of(r), 0) + self.own_bytes(r)
         return out
 
     def _need_locked(self) -> None:
@@ -325,10 +364,16 @@ def validate_region_order(plan: MemoryPlan) -> None:
     prev = -1
     for r in ALL_REGIONS:
         base = plan.region_base[r]
-        if base < prev:
-            raise RegionOrderError(f"region {r.name}: base offset {base} is below the previous "
-                                   f"region's base {prev}")
-        prev = base
+        if r in plan.shared:
+            twin = plan.shared[r]
+            if (base, plan.region_size[r]) != (plan.region_base[twin], plan.region_size[twin]):
+                raise RegionOrderError(f"region {r.name} is laid on {twin.name}'s bytes but does "
+                                       f"not cover them exactly")
+        else:
+            if base < prev:
+                raise RegionOrderError(f"region {r.name}: base offset {base} is below the previous "
+                                       f"region's base {prev}")
+            prev = base
         for t in plan.tensors_in(r):
             if not base <= t.offset < base + max(plan.region_size[r], 1):
                 raise RegionOrderError(f"region {r.name}: tensor {t.name} offset {t.offset} lies "
@@ -434,6 +479,8 @@ def alloc_baseline_dtensors(plan: MemoryPlan, variants: dict[str, tuple[int, int
     if train_logits:
         plan.alloc_grad_slot(train_logits, data_dtype, 0)  # d loss / d logits
     plan.alloc_temp("label_dist", logits, DType.FP32)       # soft-max / smoothed-label temporary
+    if amp:  # the 16-bit gradients' sum of squares, taken by the non-finite check: (running, last)
+        plan.alloc_temp("grad16_sumsq", {v: (1, 1, 1, 2) for v in variants}, DType.FP32)
     plan.alloc_predicted_label(labels)
     for name in FP32_SCALARS:
         plan.alloc_scalar(name, DType.FP32)

@@ -187,13 +187,18 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _nonfinite_kernel(x_ptr, starts_ptr, flags_ptr, n, NREG: tl.constexpr, BLOCK: tl.constexpr):
+def _nonfinite_kernel(x_ptr, starts_ptr, flags_ptr, n, NREG: tl.constexpr, BLOCK: tl.constexpr,
+                      sq_ptr=None, HAS_SQ: tl.constexpr = False):
     """Per-region non-finite flags over a span in one pass: each element's region is the number
-    of region starts at or below it; a block that sees a NaN/inf in region i sets flags[i]."""
+    of region starts at or below it; a block that sees a NaN/inf in region i sets flags[i].
+    With ``HAS_SQ`` the span's sum of squares is added to ``sq_ptr`` in the same pass (one
+    atomic per block: the order of the additions, and so the last bits, vary run to run)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SQ:
+        tl.atomic_add(sq_ptr, tl.sum(x * x, axis=0))
     bad = ((x != x) | (tl.abs(x) > FLT_MAX)) & mask
     if tl.max(bad.to(tl.int32), axis=0) > 0:  # the common clean block stops here
         rid = tl.zeros([BLOCK], dtype=tl.int32)
@@ -206,9 +211,14 @@ def _nonfinite_kernel(x_ptr, starts_ptr, flags_ptr, n, NREG: tl.constexpr, BLOCK
 
 @triton.jit
 def _nonfinite_finish_kernel(flags_ptr, first_mask_ptr, found_ptr, count_ptr, first_step_ptr, step_ptr,
-                             NREG: tl.constexpr, RB: tl.constexpr):
+                             NREG: tl.constexpr, RB: tl.constexpr, sq_ptr=None, sq_out_ptr=None,
+                             HAS_SQ: tl.constexpr = False):
     """The step's flag, the fault/skip count, the first bad step's regions and step number;
-    then the scratch flags are cleared for the next step."""
+    then the scratch flags are cleared for the next step (and the sum of squares, once
+    copied out)."""
+    if HAS_SQ:
+        tl.store(sq_out_ptr, tl.load(sq_ptr))
+        tl.store(sq_ptr, 0.0)
     r = tl.arange(0, RB)
     m = r < NREG
     f = tl.load(flags_ptr + r, mask=m, other=0).to(tl.int32)
@@ -225,18 +235,23 @@ def _nonfinite_finish_kernel(flags_ptr, first_mask_ptr, found_ptr, count_ptr, fi
     tl.store(flags_ptr + r, tl.zeros([RB], dtype=tl.int8), mask=m)
 
 
-def nonfinite_check(spans, flags, first_mask, found, count, first_step, step) -> None:
+def nonfinite_check(spans, flags, first_mask, found, count, first_step, step, sq=None) -> None:
     """Drop-in for the reference check. ``spans``: (flat view over consecutive regions of one
     dtype, the element offset of each region in it as int32 on the device, the index of its
-    first region's flag), one kernel each; then one kernel combines the flags of all."""
+    first region's flag), one kernel each; then one kernel combines the flags of all.
+    ``sq``: (accumulator, output, index into ``spans``): that span's sum of squares is
+    written to the output (fp32, one element), for telemetry of values the step overwrites
+    later (``plan.share_grad16``); the accumulator is left at zero."""
     nreg = 0
-    for span, starts, first in spans:
+    for i, (span, starts, first) in enumerate(spans):
         k, n = starts.numel(), span.numel()
+        extra = {"sq_ptr": sq[0], "HAS_SQ": True} if sq is not None and sq[2] == i else {}
         _nonfinite_kernel[_grid(n, "nonfinite")](span, starts, flags[first:first + k], n, NREG=k,
-                                                 **_cfg("nonfinite"))
+                                                 **extra, **_cfg("nonfinite"))
         nreg = max(nreg, first + k)
+    extra = {"sq_ptr": sq[0], "sq_out_ptr": sq[1], "HAS_SQ": True} if sq is not None else {}
     _nonfinite_finish_kernel[(1,)](flags, first_mask, found, count, first_step, step,
-                                   NREG=nreg, RB=max(16, triton.next_power_of_2(nreg)))
+                                   NREG=nreg, RB=max(16, triton.next_power_of_2(nreg)), **extra)
 
 
 def _grid(n: int, kind: str = "update"):

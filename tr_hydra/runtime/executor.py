@@ -144,6 +144,7 @@ class StepExecutor:
             self._segments = ops.Segments.from_sizes(elems, self.device)
         self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
         self._eq_views = None
+        self.grad16_sumsq = None  # set by the fused check when the 16-bit gradients are overwritten
         if self.pc.bn_folded:
             self._eq_views = {bn.module: (arena.torch_view(pl["eq_scale." + bn.module]),
                                           arena.torch_view(pl["eq_bias." + bn.module]))
@@ -345,8 +346,8 @@ class StepExecutor:
         fp16 = bool(n.arg("fp16"))
         count = skipped if fp16 else nonfinite
         if self.fused is not None:  # one pass per run of adjacent same-dtype regions, one finish
-            spans = []
-            for first, group in self._check_groups(regions):
+            spans, groups = [], self._check_groups(regions)
+            for first, group in groups:
                 span = self.arena.span(group[0], group[-1])  # in the regions' own dtype
                 base = self.plan.region_range(group[0], group[0])[0]
                 starts = torch.tensor([(self.plan.region_range(r, r)[0] - base) // span.element_size()
@@ -354,7 +355,16 @@ class StepExecutor:
                 spans.append((span, starts, first))
             flags = self.arena.view(self.plan["mask.nonfinite_flags"]).view(-1)[:len(regions)]
             fused = self.fused
-            return lambda ctx: fused.nonfinite_check(spans, flags, mask, flag, count, first_step, step)
+            # plan.share_grad16: the 16-bit gradients are overwritten by the new 16-bit weights
+            # later in the step, so their sum of squares (telemetry's gradient norm) is taken
+            # here, in the pass that reads them anyway
+            sq = None
+            shared = [i for i, (_, grp) in enumerate(groups) if all(r in self.plan.shared for r in grp)]
+            if shared and self.grads_read_16bit:
+                both = self.arena.view(self.plan["temp.grad16_sumsq"]).view(-1)
+                sq = (both[0:1], both[1:2], shared[0])
+                self.grad16_sumsq = both[1:2]
+            return lambda ctx: fused.nonfinite_check(spans, flags, mask, flag, count, first_step, step, sq=sq)
         def check(ctx):
             bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
             flag.copy_(bad.any().float().view(1))

@@ -402,7 +402,7 @@ class Trainer:
         res.capture_seconds = self.graphs.capture_seconds if self.graphs else 0.0
         res.start_wait_seconds = self._start_together()
         tel = Telemetry(self.run_dir, self.compiled, self.arena, enabled=self.telemetry,
-                        grads_16bit=self.ex.grads_read_16bit)
+                        grads_16bit=self.ex.grads_read_16bit, grad16_sumsq=self.ex.grad16_sumsq)
         tel.start(step)
         images, train_time, t_run = 0, 0.0, time.perf_counter()
         self.model.train()

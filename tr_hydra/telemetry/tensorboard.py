@@ -22,28 +22,38 @@ class SpanNorms:
     """L2 norm of every populated W, G, M, V, E span: one reduction each on the device, read in
     one transfer when the metrics are read. ``grads_16bit`` lists (fp32 span, 16-bit span) pairs
     whose fp32 side the step does not write (the update reads the 16-bit gradients): the G norm
-    is then taken over the 16-bit side there."""
+    is then taken over the 16-bit side there. When the 16-bit gradients also share the A
+    regions' bytes (``plan.share_grad16``), the step has rewritten them with the new 16-bit
+    weights by the time the norms are read: their part comes from ``grad16_sumsq``, the sum of
+    squares the step's non-finite check took while reading them. Without it, the norm is over
+    the fp32 gradients only (BN, fc bias) and named ``G_fp32``, so that it is not taken for the
+    whole."""
 
-    def __init__(self, arena, grads_16bit=()):
-        self.views: list[tuple[str, list[torch.Tensor]]] = []
+    def __init__(self, arena, grads_16bit=(), grad16_sumsq=None):
+        self.views: list[tuple[str, list[torch.Tensor], torch.Tensor | None]] = []
         plan = arena.plan
         unwritten = {i for (a, b), _ in grads_16bit for i in range(int(a), int(b) + 1)}
         for series in NORM_SERIES:
             regions = [r for r in ALL_REGIONS if series_of(r) == series and plan.region_size[r]]
-            if series == "G" and unwritten:
+            if series == "G" and unwritten and plan.shared:
+                parts = [arena.span(r, r) for r in regions if int(r) not in unwritten]
+                self.views.append(("G" if grad16_sumsq is not None else "G_fp32", parts, grad16_sumsq))
+            elif series == "G" and unwritten:
                 parts = [arena.span(r, r) for r in regions if int(r) not in unwritten]
                 parts += [arena.span(b16[0], b16[1]) for _, b16 in grads_16bit]
-                self.views.append((series, parts))
+                self.views.append((series, parts, None))
             elif regions:
-                self.views.append((series, [arena.span(regions[0], regions[-1], torch.float32)]))
+                self.views.append((series, [arena.span(regions[0], regions[-1], torch.float32)], None))
 
     def read(self) -> dict[str, float]:
         if not self.views:
             return {}
-        norms = [torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in parts]).norm()
-                 for _, parts in self.views]
+        norms = []
+        for _, parts, sq in self.views:
+            s2 = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 for p in parts]).sum()
+            norms.append((s2 + sq.sum() if sq is not None else s2).sqrt())
         vals = torch.stack(norms).tolist()
-        return {name: val for (name, _), val in zip(self.views, vals)}
+        return {name: val for (name, _, _), val in zip(self.views, vals)}
 
 
 def memory_map_image(plan, width: int = 1200, height: int = 260) -> np.ndarray:
@@ -56,7 +66,7 @@ def memory_map_image(plan, width: int = 1200, height: int = 260) -> np.ndarray:
     d.text((8, 6), f"arena {total / 2**20:,.1f} MiB, 68 regions (to scale)", fill=(0, 0, 0))
     label_y = top + band + 8
     for r in ALL_REGIONS:
-        size = plan.region_size[r]
+        size = plan.own_bytes(r)  # a region on another's bytes is drawn as that one
         if not size:
             continue
         x0 = int(plan.region_base[r] / total * (width - 1))
@@ -67,7 +77,7 @@ def memory_map_image(plan, width: int = 1200, height: int = 260) -> np.ndarray:
             d.text((x0 + 3, top + 18), f"{size / 2**20:.1f} MiB", fill=(0, 0, 0))
     x = 8
     for s in SERIES_ORDER:
-        b = sum(plan.region_size[r] for r in ALL_REGIONS if series_of(r) == s)
+        b = sum(plan.own_bytes(r) for r in ALL_REGIONS if series_of(r) == s)
         if not b:
             continue
         d.rectangle([x, label_y, x + 12, label_y + 12], fill=SERIES_COLORS[s])
@@ -81,8 +91,10 @@ def region_table_markdown(plan) -> str:
     rows = ["| no. | region | tensors | bytes | base offset | share |", "|---|---|---:|---:|---:|---:|"]
     for r in ALL_REGIONS:
         if plan.region_size[r]:
+            share = (f"on {plan.shared[r].name}" if r in plan.shared
+                     else f"{100 * plan.region_size[r] / plan.total_bytes:.2f}%")
             rows.append(f"| {r.number} | {r.name} | {len(plan.tensors_in(r))} | {plan.region_size[r]:,} | "
-                        f"{plan.region_base[r]:,} | {100 * plan.region_size[r] / plan.total_bytes:.2f}% |")
+                        f"{plan.region_base[r]:,} | {share} |")
     return "\n".join(rows)
 
 
@@ -103,9 +115,9 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 
 class Telemetry:
-    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True, grads_16bit=()):
+    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True, grads_16bit=(), grad16_sumsq=None):
         self.enabled = enabled
-        self.norms = SpanNorms(arena, grads_16bit)
+        self.norms = SpanNorms(arena, grads_16bit, grad16_sumsq)
         self.plan = compiled.plan
         self.writer = None
         if enabled:
