@@ -201,11 +201,11 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, m
       fp32 one here (measured), the plain conv's and the folded one's alike, so a fixed bound
       would say nothing.
     The synthetic bank sits in pinned host memory."""
-    from tr_hydra.models.stem import SpaceToDepthConv2d
+    from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     b_ref, ref, kind, _ = _one_step(tmp_path, "ref", "conv", "none", False)
-    assert kind is torch.nn.Conv2d
+    assert kind is ImageConv2d
     runs = {}
     for name, stem, amp in (("s2d32", "auto", False), ("s2d16", "auto", True), ("conv16", "conv", True)):
         before, after, kind, bank = _one_step(tmp_path, name, stem, compile, amp)

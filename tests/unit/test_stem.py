@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tr_hydra.config.plan_config import RuntimeSpec
-from tr_hydra.models.stem import SpaceToDepthConv2d, eligible, space_to_depth_stem
+from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d, eligible, space_to_depth_stem
 from tr_hydra.runtime.runner import Trainer, epoch_schedule
 
 from tests.helpers import small_config
@@ -70,7 +70,7 @@ def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
     tr, before, got = _one_step(tmp_path, "space_to_depth", "resnet18")
     assert tr.stem_s2d == ["conv1"] and type(tr.model.conv1) is SpaceToDepthConv2d
     ref_tr, ref_before, want = _one_step(tmp_path, "conv", "resnet18")
-    assert ref_tr.stem_s2d == [] and type(ref_tr.model.conv1) is nn.Conv2d
+    assert ref_tr.stem_s2d == [] and type(ref_tr.model.conv1) is ImageConv2d
     assert got.keys() == want.keys()
     moved = 0
     for key, w in want.items():
@@ -89,9 +89,9 @@ def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
 
 def test_auto_keeps_the_conv_on_cpu_and_a_stride_one_stem_stays(tmp_path):
     tr = _trainer(tmp_path, "auto", "resnet18")
-    assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
+    assert tr.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
     tr = _trainer(tmp_path, "space_to_depth", "resnet18_cifar")  # 3x3 stride 1: nothing to fold
-    assert tr.stem_s2d == [] and type(tr.model.conv1) is nn.Conv2d
+    assert tr.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
 
 
 def test_stem_bench_runs_and_checks_the_fold(tmp_path):
@@ -131,3 +131,66 @@ def test_bn_folding_and_validation_read_the_folded_stem(tmp_path):
     ref.load_state_dict({"weight": tr.model.conv1.weight.detach().clone()})
     with torch.no_grad():
         torch.testing.assert_close(tr.model.conv1(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def _saved_for_backward(model, x):
+    """What AOTAutograd's min-cut partitioner (the one Inductor runs) keeps for the backward of
+    ``model(x)`` under bf16 autocast on CPU: [(is a graph input, shape, dtype)], and the
+    gradients of one step."""
+    import torch._inductor.lowering  # noqa: F401 (the decompositions refer to it)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    saved = []
+
+    def fw(gm, _inputs):
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for a in outs[1:]:
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                saved.append((a.op == "placeholder", tuple(v.shape), v.dtype))
+        return make_boxed_func(gm)
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: make_boxed_func(gm),
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(model, backend=backend, dynamic=False)(x)
+    y.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return saved, grads
+
+
+@pytest.mark.parametrize("cls,stride", [(SpaceToDepthConv2d, 2), (ImageConv2d, 1)])
+def test_compiled_stem_keeps_the_input_buffer_not_its_copy(cls, stride):
+    """Compiled, the convolution over the image keeps the input (a view of the arena's fp16
+    input buffer, free to keep) for its weight gradient, not the bf16 copy it reads (folded, for
+    space-to-depth), which the backward recomputes. The gradients: those of the plain conv
+    compiled the same way up to fp32 summation order (``ImageConv2d``: the same convolution;
+    measured: BN's weight gradient 7.6e-8 apart, every other one equal), and those of eager
+    autograd up to bf16 rounding."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, 7 if stride == 2 else 3, stride, 3 if stride == 2 else 1, bias=False)
+    model = nn.Sequential(conv, nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3, 1, 1))
+    buf = torch.randn(2, 20, 20, 4).to(torch.float16)  # NHWC, padded to 4 channels as planned
+    x = buf[..., :3].permute(0, 3, 1, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    plain, plain_grads = _saved_for_backward(model, x)
+    copy = [s for s in plain if not s[0] and s[2] == torch.bfloat16 and s[1][0] == 2 and s[1][1] in (3, 12)]
+    assert copy  # the plain conv keeps its bf16 copy of the image (the reference behaviour)
+    conv.__class__ = cls
+    saved, got = _saved_for_backward(model, x)
+    assert (True, (2, 3, 20, 20), torch.float16) in saved  # the input buffer itself
+    assert not [s for s in saved if not s[0] and s[2] == torch.bfloat16 and s[1][0] == 2 and s[1][1] in (3, 12)]
+    assert got.keys() == want.keys()
+    if cls is ImageConv2d:  # the same convolution: the same numbers, but for the order of sums
+        assert all(torch.allclose(got[k], plain_grads[k], rtol=1e-6, atol=1e-6 * plain_grads[k].abs().max().item())
+                   for k in want)
+        assert torch.equal(got["0.weight"], plain_grads["0.weight"])
+    for k in want:  # the folded form: the same sums in another order (exact in float64, above)
+        assert torch.allclose(got[k], want[k], rtol=2e-2, atol=2e-2 * want[k].abs().max().item()), k

@@ -66,15 +66,65 @@ def fold_input(x: torch.Tensor, k: int, p: int) -> torch.Tensor:
     return xp.reshape(n, c, lh // 2, 2, lw // 2, 2).permute(0, 3, 5, 1, 2, 4).reshape(n, 4 * c, lh // 2, lw // 2)
 
 
+def as_computed(x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """The image as the convolution reads it: in autocast's compute dtype (the input buffer may
+    hold another 16-bit type, as DALI writes it) and in ``fmt``'s layout."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if x.dtype != dt:
+            x = x.to(dt)
+    return x.contiguous(memory_format=fmt)
+
+
+def recomputed(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a convolution over the image to read. Compiled, the result is recomputed in
+    the backward (a copy, a cast, a rearrangement: one cheap pass) from ``x``, which the
+    partitioner then keeps instead: ``x`` is the input buffer, in the arena, so keeping it
+    costs nothing, where the convolution's weight gradient would otherwise keep ``fn(x)`` in
+    the activation pool (9.7 MiB for ResNet-50 at batch 32, its folded image in bf16).
+    Eager, autograd saves what the convolution reads either way: plain ``fn(x)``."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(fn, x, use_reentrant=False)
+    return fn(x)
+
+
+def _layout(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if x.is_cuda else torch.contiguous_format  # see nchw_compute_on_cpu
+
+
 class SpaceToDepthConv2d(nn.Conv2d):
     """A Conv2d (same parameters, same ``state_dict``) whose forward is the space-to-depth form."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, p = self.kernel_size[0], self.padding[0]
-        fmt = torch.channels_last if x.is_cuda else torch.contiguous_format  # see nchw_compute_on_cpu
-        xs = fold_input(x, k, p).contiguous(memory_format=fmt)
+        fmt = _layout(x)
+        xs = recomputed(lambda a: as_computed(fold_input(a, k, p), fmt), x)
         ws = fold_weight(self.weight, p).contiguous(memory_format=fmt)
         return F.conv2d(xs, ws, self.bias, 1, 0)
+
+
+class ImageConv2d(nn.Conv2d):
+    """A Conv2d over the image (same parameters, same ``state_dict``, the same convolution) whose
+    input copy (cast and made contiguous) is recomputed in the backward rather than kept; see
+    ``recomputed``. For the stems the space-to-depth form leaves alone (CIFAR's stride 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = _layout(x)
+        return self._conv_forward(recomputed(lambda a: as_computed(a, fmt), x), self.weight, self.bias)
+
+
+def image_input_recomputed(model: nn.Module, names) -> list[str]:
+    """Turn the named plain convolutions over the image into ``ImageConv2d`` in place."""
+    changed = []
+    modules = dict(model.named_modules())
+    for name in names:
+        m = modules.get(name)
+        if m is not None and type(m) is nn.Conv2d:
+            m.__class__ = ImageConv2d
+            changed.append(name)
+    return changed
 
 
 def space_to_depth_stem(model: nn.Module, names: tuple[str, ...] | list[str]) -> list[str]:

@@ -131,6 +131,8 @@ class Trainer:
             elif pc.runtime.stem == "space_to_depth":
                 self.log("runtime.stem=space_to_depth: no convolution over the image qualifies "
                          "(stride 2, no dilation or groups, at most 4 channels); the model's own is used")
+        from tr_hydra.models.stem import image_input_recomputed
+        image_input_recomputed(model, self.compiled.model_map.first_convs)
         if self.device.type == "cpu":
             nchw_compute_on_cpu(model)
         if pc.runtime.deterministic:
