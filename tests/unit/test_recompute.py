@@ -121,3 +121,16 @@ def test_tr_bench_has_a_recompute_mode_beside_the_default():
     assert tr_runtime("tr", rt) == dataclasses.replace(rt, compile="none")
     assert _modes(["reduce-overhead", "tr-inductor", "tr-recompute"], torch.device("cpu")) == \
         ["reduce-overhead", "tr-inductor", "tr-recompute"]
+
+
+def test_a_change_of_recompute_mode_clears_dynamos_compiled_code(monkeypatch):
+    """Dynamo would hand a second trainer in the process the first one's compiled forward (its
+    guards do not see the partitioner options): the compiled code is cleared exactly when the
+    mode changes from the last compile's, and not otherwise (a sweep keeps its warm code)."""
+    import torch._dynamo
+    from tr_hydra.runtime import recompute
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(recompute, "_compiled_with", [])
+    got = [recompute.fresh_compile_for(m) for m in ("none", "none", "pointwise", "pointwise", "none")]
+    assert got == [False, False, True, False, True] and len(resets) == 2

@@ -48,3 +48,21 @@ def with_recompute(forward, mode: str):
     call.recompute = mode
     call.compiled = forward
     return call
+
+
+_compiled_with: list[str] = []  # the recompute mode of this process's last compile
+
+
+def fresh_compile_for(mode: str) -> bool:
+    """Before a model is compiled: clear Dynamo's compiled code if this process compiled the
+    same model code under another recompute mode. Dynamo guards a compiled forward on the
+    module's structure, not on the partitioner options, so a second trainer in one process (a
+    sweep's next job, a bench mode) would otherwise run the first one's partition: measured on
+    the H200, ``pointwise`` after ``none`` then kept exactly as much as ``none``. Returns whether
+    it cleared."""
+    changed = bool(_compiled_with) and _compiled_with[-1] != mode
+    if changed:
+        import torch._dynamo
+        torch._dynamo.reset()
+    _compiled_with[:] = [mode]
+    return changed

@@ -151,6 +151,8 @@ class Trainer:
             for knob in ("cache_size_limit", "recompile_limit"):
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
+            from tr_hydra.runtime.recompute import fresh_compile_for
+            fresh_compile_for(pc.runtime.recompute)
             forward = torch.compile(model, dynamic=False)
             if pc.runtime.recompute != "none":
                 from tr_hydra.runtime.recompute import with_recompute
