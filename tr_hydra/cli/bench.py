@@ -180,6 +180,9 @@ class Mode:
                "spread": (max(r) - min(r)) / statistics.median(r) if r else 0.0,
                "peak_bytes": self.peak_bytes, "first_step_seconds": self.first_seconds,
                "memory": self.memory}
+        rep = getattr(self.trainer, "cudnn_prime", None)
+        if rep is not None:  # runtime.prime_cudnn: part of first_step_seconds
+            out["cudnn_prime"] = {"convolutions": rep.calls, "seconds": rep.seconds}
         if self.other_times:
             key = "img_per_sec_ab_schedule" if self.single_buffer else "img_per_sec_single_buffer"
             out[key + "_median"] = statistics.median(self.other_times)
@@ -463,6 +466,10 @@ def table(records: list[dict]) -> str:
             lines.append(f"{r['mode']} memory MiB: arena {mib('arena_bytes')}, between steps "
                          f"{mib('allocated_between_steps_bytes')}, peak after warm-up {mib('peak_after_warmup_bytes')}, "
                          f"peak {r['peak_bytes'] / 2**20:,.0f}, predicted {mib('predicted_need_bytes')}")
+        if "cudnn_prime" in r:
+            cp = r["cudnn_prime"]
+            lines.append(f"{r['mode']}: cuDNN's search for {cp['convolutions']} convolutions before the first "
+                         f"step took {cp['seconds']:.1f}s (runtime.prime_cudnn)")
     return "\n".join(lines)
 
 

@@ -96,6 +96,7 @@ class RuntimeSpec:
     precompile_first: bool = False
     stem: str = "auto"
     recompute: str = "none"
+    prime_cudnn: bool = True
 
 
 @dataclass(frozen=True)

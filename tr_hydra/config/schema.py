@@ -186,6 +186,7 @@ class RuntimeConfig:
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
+    prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
 
 
 @dataclass

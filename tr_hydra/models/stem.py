@@ -70,7 +70,8 @@ def as_computed(x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     """The image as the convolution reads it: in autocast's compute dtype (the input buffer may
     hold another 16-bit type, as DALI writes it) and in ``fmt``'s layout."""
     dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+    # the meta device has no autocast (convolutions recorded there get the compute dtype already)
+    if x.is_floating_point() and dev != "meta" and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         if x.dtype != dt:
             x = x.to(dt)
@@ -91,7 +92,9 @@ def recomputed(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if x.is_cuda else torch.contiguous_format  # see nchw_compute_on_cpu
+    # NCHW on the CPU (see nchw_compute_on_cpu); on the meta device as on CUDA, where
+    # runtime.prime_cudnn records the step's convolutions
+    return torch.contiguous_format if x.device.type == "cpu" else torch.channels_last
 
 
 class SpaceToDepthConv2d(nn.Conv2d):

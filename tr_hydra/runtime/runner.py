@@ -167,6 +167,7 @@ class Trainer:
         self.feeder = Feeder(self.ex)
         self.source = self._make_source() if source else None  # no source: precompile children
         self.graphs = None
+        self.cudnn_prime = None  # prime_cudnn's report
         self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
         # resumed follows the same learning-rate curve as one that never stopped)
@@ -207,7 +208,10 @@ class Trainer:
 
     def capture(self) -> None:
         pc = self.pc
-        if self.device.type != "cuda" or not pc.runtime.cuda_graph:
+        if self.device.type != "cuda":
+            return
+        if not pc.runtime.cuda_graph:
+            self.prime_cudnn()
             return
         from tr_hydra.runtime.graphs import CudaGraphs
         self.graphs = CudaGraphs(self.ex)
@@ -215,6 +219,7 @@ class Trainer:
         val_v = [v.name for v in pc.variants if not v.train]
         pre = self._precompiler(train_v, val_v)
         try:
+            self.prime_cudnn()  # while the children compile
             self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
                                 before_variant=pre.wait if pre else None)
         except torch.cuda.OutOfMemoryError:
@@ -229,6 +234,30 @@ class Trainer:
                 pre.close()
         self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
                  f"in {self.graphs.capture_seconds:.1f}s")
+
+    def prime_cudnn(self):
+        """``runtime.prime_cudnn``: cuDNN's algorithm search for every convolution the steps run,
+        done now, with only the arena alive, instead of inside the first step of each variant,
+        where its workspace comes on top of every activation (see ``cudnn_prime``). Returns the
+        report, or None when nothing searches (CPU, deterministic, the option off)."""
+        from tr_hydra.runtime import cudnn_prime
+        from tr_hydra.runtime.graphs import capture_stream
+        pc = self.pc
+        if not pc.runtime.prime_cudnn or not cudnn_prime.searches(self.device):
+            return None
+        dt = self.arena.half_dtype if pc.amp else torch.float32
+        calls = []
+        for v in pc.variants:
+            calls += cudnn_prime.record(self.model, v.batch, pc.data.channels, v.res, dt, v.train,
+                                        pc.runtime.channels_last)
+        stream = capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            rep = cudnn_prime.prime(calls, self.device)
+        self.log(f"runtime.prime_cudnn: cuDNN searched {rep.calls} convolutions before the first "
+                 f"step in {rep.seconds:.1f}s")
+        self.cudnn_prime = rep
+        return rep
 
     def _precompiler(self, train_v: list[str], val_v: list[str]):
         """Parallel compiles of every variant after the first (``runtime.precompile``; the first

@@ -1,0 +1,88 @@
+"""CUDA: runtime.prime_cudnn leaves no cuDNN algorithm search for the steps (seen in the caching
+allocator's history: the search's workspace is allocated from ``generate_and_filter_plans``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import small_config
+from tr_hydra.runtime import cudnn_prime as cp
+from tr_hydra.runtime.runner import Trainer
+
+pytestmark = pytest.mark.cuda
+
+
+def search_allocations(fn) -> list[tuple[int, str]]:
+    """(size, which convolution) of the blocks cuDNN's plan search allocates while ``fn`` runs."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all")
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    def which(frames):
+        return next((f["name"][:120] for f in frames if "raw_cudnn_convolution" in f["name"]
+                     or "cudnn_convolution" in f["name"]), "?")
+    return [(e["size"], which(e["frames"])) for trace in snap["device_traces"] for e in trace
+            if e["action"] == "alloc"
+            and any("generate_and_filter_plans" in f["name"] for f in e.get("frames", ()))]
+
+
+@pytest.fixture(autouse=True)
+def _benchmark():
+    was = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = True, False
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = was
+
+
+def test_a_primed_convolution_does_not_search_again():
+    dev = torch.device("cuda")
+    w = torch.randn(40, 24, 3, 3, device=dev, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(24, 40, 3, padding=1, bias=False)
+    conv.weight.data = w
+    calls = cp.record(conv, 7, 24, 19, torch.bfloat16, True)
+    assert [c.backward for c in calls] == [False, True]
+    primed = search_allocations(lambda: cp.prime(calls, dev))
+    assert primed, "the search was not seen (is cudnn.benchmark on?)"
+
+    def step():
+        # an image: no gradient wanted for it, as recorded
+        x = torch.randn(7, 24, 19, 19, device=dev, dtype=torch.bfloat16).contiguous(
+            memory_format=torch.channels_last)
+        ww = w.detach().requires_grad_(True)
+        F.conv2d(x, ww, padding=1).float().square().sum().backward()
+    assert search_allocations(step) == []
+    # a shape not primed searches (the check above can fail)
+    w2 = w[:, :16].contiguous(memory_format=torch.channels_last)
+    x2 = torch.randn(7, 16, 19, 19, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    assert search_allocations(lambda: F.conv2d(x2, w2, padding=1))
+
+
+@pytest.mark.parametrize("compile", ["none", "inductor"])
+def test_trainer_warm_up_finds_every_plan_primed(tmp_path, compile):
+    """What the meta-device recording finds is what the step runs, eager or through Inductor:
+    after priming, the warm-up and capture of every variant search nothing."""
+    batch = 24 if compile == "none" else 20  # shapes of their own: cuDNN's cache is per process
+    pc = small_config(device="cuda", compile=compile, amp=True, batch=batch, val_batch=batch,
+                      train_size=3 * batch + 5, val_size=batch + 3, lowres_epochs=1, max_steps=2)
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    rep = tr.prime_cudnn()
+    assert rep is not None and rep.calls > 10
+    assert search_allocations(tr.capture) == []
+    assert len(tr.graphs.train) == 2 * 4  # the four training variants, both buffers
+    tr.fit()
+
+    # without priming the same kind of trainer searches during its warm-up
+    off = dataclasses.replace(small_config(device="cuda", compile=compile, amp=True, batch=batch + 2,
+                                           val_batch=batch + 2, train_size=3 * batch + 9,
+                                           val_size=batch + 5, max_steps=2),
+                              runtime=dataclasses.replace(pc.runtime, prime_cudnn=False))
+    tr2 = Trainer(off, tmp_path / "off", log=lambda *_: None)
+    assert tr2.prime_cudnn() is None
+    assert search_allocations(tr2.capture)

@@ -1,0 +1,127 @@
+"""runtime.prime_cudnn: the convolutions a step runs, found on the meta device, against forward
+hooks on a real CPU run of the same model; and their replay."""
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from tr_hydra.models.stem import ImageConv2d, fold_input, fold_weight, space_to_depth_stem
+from tr_hydra.runtime import cudnn_prime as cp
+
+
+def _hooked(model: nn.Module, x: torch.Tensor, train: bool):
+    """(forward calls, backward calls) of every Conv2d as a real CPU run sees them."""
+    seen = []
+
+    def hook(mod, args, out):
+        a = args[0]
+        seen.append((tuple(a.shape), tuple(mod.weight.shape), mod.stride, mod.padding, mod.dilation,
+                     mod.groups, mod.bias is not None, a.requires_grad))
+    hs = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    model.train(train)
+    try:
+        if train:
+            model(x)
+        else:
+            with torch.no_grad():
+                model(x)
+    finally:
+        for h in hs:
+            h.remove()
+    fwd = Counter((s[:7]) for s in seen)
+    bwd = Counter((s[:6] + ((s[7], True, s[6]),)) for s in seen) if train else Counter()
+    return fwd, bwd
+
+
+def _recorded(calls):
+    fwd = Counter((c.x.shape, c.w.shape, c.stride, c.padding, c.dilation, c.groups, c.bias is not None)
+                  for c in calls if not c.backward)
+    bwd = Counter((c.x.shape, c.w.shape, c.stride, c.padding, c.dilation, c.groups, c.output_mask)
+                  for c in calls if c.backward)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_recorded_convolutions_match_a_real_run(train):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=7)
+    x = torch.randn(3, 3, 40, 40)
+    ref_fwd, ref_bwd = _hooked(model, x, train)
+    model.train()
+    calls = cp.record(model, 3, 3, 40, torch.float32, train, channels_last=True)
+    fwd, bwd = _recorded(calls)
+    assert fwd == Counter({(k[0], k[1], k[2], k[3], k[4], k[5], k[6]): n for k, n in ref_fwd.items()})
+    assert bwd == ref_bwd
+    assert sum(fwd.values()) == 20 and sum(bwd.values()) == (20 if train else 0)
+    # the image conv has no input gradient to compute
+    assert [c.output_mask for c in calls if c.backward and c.x.shape[1] == 3] == ([(False, True, False)]
+                                                                                 if train else [])
+    # in the compute dtype and the step's layout (the weights as the model holds them)
+    assert all(c.x.dtype == torch.float32 for c in calls)
+    assert not any(p.device.type == "meta" for p in model.parameters())  # the model is untouched
+    assert model.training
+
+
+def test_recorded_dtype_and_channels_last_of_the_image_convolutions():
+    model = torchvision.models.resnet18().to(memory_format=torch.channels_last)
+    space_to_depth_stem(model, ["conv1"])
+    calls = cp.record(model, 2, 3, 64, torch.bfloat16, True)
+    assert {c.x.dtype for c in calls} == {torch.bfloat16} and {c.w.dtype for c in calls} == {torch.bfloat16}
+    stem_fwd = calls[0]
+    folded = fold_input(torch.empty(2, 3, 64, 64), 7, 3)
+    assert stem_fwd.x.shape == tuple(folded.shape)
+    assert stem_fwd.w.shape == tuple(fold_weight(model.conv1.weight.detach(), 3).shape)
+    # the folded image is read channels-last, as on CUDA (not NCHW as on the CPU)
+    assert stem_fwd.x.stride == tuple(folded.contiguous(memory_format=torch.channels_last).stride())
+    cifar = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1))
+    cifar[0].__class__ = ImageConv2d
+    c = cp.record(cifar, 4, 3, 8, torch.float16, True)
+    assert c[0].x.stride == (192, 1, 24, 3) and c[0].x.dtype == torch.float16
+    assert c[1].bias is not None and c[1].bias.shape == (8,)
+    back = [k for k in c if k.backward]
+    assert [k.output_mask for k in back] == [(True, True, True), (False, True, False)]
+    assert back[0].bias_sizes == (8,)
+
+
+def test_prime_replays_each_distinct_call_once_as_recorded():
+    model = torchvision.models.resnet18(num_classes=5)
+    calls = cp.record(model, 2, 3, 32, torch.float32, True)
+    assert len(cp.unique(calls)) < len(calls)  # repeated blocks
+    rec = cp._Recorder()
+    with rec:
+        rep = cp.prime(calls, torch.device("cpu"))
+    # each backward once, through autograd (which runs its forward too: one of the forwards)
+    assert [c for c in rec.calls if c.backward] == [c for c in cp.unique(calls) if c.backward]
+    assert set(c for c in rec.calls if not c.backward) == set(c for c in calls if not c.backward)
+    assert rep.calls == len(cp.unique(calls))
+    assert rep.largest_bytes == max(sum(s.nbytes for s in (c.x, c.w, c.grad_out, c.bias) if s is not None)
+                                    for c in calls)
+
+
+def test_tensor_spec_bytes_cover_padded_strides():
+    s = cp.TensorSpec((2, 3, 4, 5), (80, 1, 20, 4), torch.bfloat16)  # channels padded to 4
+    assert s.nbytes == (1 + 1 * 80 + 2 * 1 + 3 * 20 + 4 * 4) * 2
+    t = s.make(torch.device("cpu"))
+    assert t.stride() == (80, 1, 20, 4) and torch.isfinite(t).all()
+
+
+def test_no_search_on_cpu_or_when_deterministic(monkeypatch):
+    assert not cp.searches(torch.device("cpu"))
+    from tests.helpers import small_config
+    from tr_hydra.runtime.runner import Trainer
+    tr = Trainer(small_config(), run_dir=".", log=lambda *_: None, telemetry=False, source=False)
+    assert tr.prime_cudnn() is None and tr.cudnn_prime is None
+
+
+def test_bench_reports_the_search_time():
+    from tr_hydra.cli.bench import table
+    rec = {"mode": "tr-inductor", "img_per_sec_median": 100.0, "spread": 0.0, "peak_bytes": 2**20,
+           "first_step_seconds": 3.0, "memory": {"arena_bytes": 2**20},
+           "cudnn_prime": {"convolutions": 46, "seconds": 12.84}}
+    out = table([rec])
+    assert "cuDNN's search for 46 convolutions before the first step took 12.8s" in out
+    del rec["cudnn_prime"]
+    assert "cuDNN" not in table([rec])

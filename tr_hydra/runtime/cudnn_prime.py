@@ -1,0 +1,182 @@
+"""cuDNN's algorithm search, done before the first step (``runtime.prime_cudnn``).
+
+With ``torch.backends.cudnn.benchmark``, the first call of a convolution with a new shape times
+every candidate plan, on one workspace as large as the largest candidate asks for (PyTorch's
+``generate_and_filter_plans``; 57 MiB for one of CIFAR ResNet-18's backward convolutions at
+batch 512 on the H200). Inside the first step that workspace is allocated while every
+activation is alive, so it sets the run's peak memory. Here each convolution the steps will run
+is run once, alone, on tensors of its shape, before the first step: the search then happens with
+only the arena alive, and the step finds its plan in cuDNN's cache. That cache is keyed by the
+shapes, dtype, memory format and pointer alignment of the tensors and by the convolution's
+parameters, not by the data, so the plan found is the one the step would have found.
+
+Which convolutions the steps run is found by running the model on the meta device (no memory,
+no compute) under a dispatch mode that records every ``aten.convolution`` and
+``aten.convolution_backward`` call: the forward and backward of each training variant, the
+forward of each validation variant."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorSpec":
+        return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        """A tensor of this shape and layout holding small normal values (not uninitialised
+        memory: NaNs or denormals could change which plan times fastest)."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        return t.normal_(0.0, 0.5) if t.is_floating_point() else t.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        if not self.shape:
+            return torch.empty((), dtype=self.dtype).element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if n > 0)
+        return span * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """One convolution (``backward``: the gradients ``output_mask`` asks for) as the step runs it."""
+    backward: bool
+    x: TensorSpec
+    w: TensorSpec
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+    bias: TensorSpec | None = None                 # forward
+    grad_out: TensorSpec | None = None             # backward
+    bias_sizes: tuple[int, ...] | None = None      # backward
+    output_mask: tuple[bool, bool, bool] | None = None  # backward
+
+    def run(self, device: torch.device) -> None:
+        """Run it once on ``device``. A backward runs through autograd, as the step's does: cuDNN
+        keeps its plans per thread, and the backward of a CUDA tensor runs on autograd's thread
+        for that device, so a ``convolution_backward`` called here would fill this thread's
+        cache and leave the step's backward to search again."""
+        x, w = self.x.make(device), self.w.make(device)
+        geometry = (list(self.stride), list(self.padding), list(self.dilation), self.transposed,
+                    list(self.output_padding), self.groups)
+        if not self.backward:
+            b = self.bias.make(device) if self.bias is not None else None
+            aten.convolution.default(x, w, b, *geometry)
+            return
+        want_x, want_w, want_b = self.output_mask
+        b = None
+        if want_b:
+            b = torch.zeros(self.bias_sizes, dtype=self.w.dtype, device=device, requires_grad=True)
+        with torch.enable_grad():
+            y = aten.convolution.default(x.requires_grad_(want_x), w.requires_grad_(want_w), b, *geometry)
+        torch.autograd.backward(y, self.grad_out.make(device))
+
+
+def _ints(v) -> tuple[int, ...]:
+    return tuple(int(i) for i in v)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[ConvCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.convolution.default:
+            x, w, b, stride, padding, dilation, transposed, out_pad, groups = args
+            self.calls.append(ConvCall(False, TensorSpec.of(x), TensorSpec.of(w), _ints(stride),
+                                       _ints(padding), _ints(dilation), bool(transposed), _ints(out_pad),
+                                       int(groups), bias=TensorSpec.of(b) if b is not None else None))
+        elif func is aten.convolution_backward.default:
+            g, x, w, bias_sizes, stride, padding, dilation, transposed, out_pad, groups, mask = args
+            self.calls.append(ConvCall(True, TensorSpec.of(x), TensorSpec.of(w), _ints(stride),
+                                       _ints(padding), _ints(dilation), bool(transposed), _ints(out_pad),
+                                       int(groups), grad_out=TensorSpec.of(g),
+                                       # only a bias gradient needs them (else None or [0])
+                                       bias_sizes=_ints(bias_sizes) if mask[2] else None,
+                                       output_mask=tuple(bool(m) for m in mask)))
+        return func(*args, **kwargs)
+
+
+def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    dt = dtype if t.is_floating_point() else t.dtype
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dt, device="meta")
+
+
+def record(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.dtype, train: bool,
+           channels_last: bool = True) -> list[ConvCall]:
+    """The convolutions one step of ``model`` runs on a ``batch`` of ``res``² images, in order
+    (duplicates included): found on the meta device, with every parameter and buffer replaced
+    by a meta tensor of its shape and layout in the compute ``dtype`` (what autocast gives the
+    convolutions), so ``model`` itself is not touched."""
+    state = {n: _meta_like(p, dtype) for n, p in model.named_parameters()}
+    state.update({n: _meta_like(b, dtype) for n, b in model.named_buffers()})
+    x = torch.empty(batch, channels, res, res, device="meta", dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    params = [state[n] for n, _ in model.named_parameters()]
+    rec = _Recorder()
+    was = model.training
+    model.train(train)
+    try:
+        if train:
+            for p in params:
+                p.requires_grad_(True)
+            with rec:
+                out = torch.func.functional_call(model, state, (x,), strict=False)
+                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+        else:
+            with torch.no_grad(), rec:
+                torch.func.functional_call(model, state, (x,), strict=False)
+    finally:
+        model.train(was)
+    return rec.calls
+
+
+def unique(calls: list[ConvCall]) -> list[ConvCall]:
+    return list(dict.fromkeys(calls))
+
+
+@dataclass
+class PrimeReport:
+    calls: int = 0          # distinct convolutions run
+    seconds: float = 0.0
+    largest_bytes: int = 0  # the largest call's tensors (its workspace comes on top)
+
+
+def prime(calls: list[ConvCall], device: torch.device) -> PrimeReport:
+    """Run each distinct call once on ``device`` (on the current stream), tensors freed after
+    each, so that cuDNN's search for it is done and its plan cached."""
+    t0 = time.perf_counter()
+    todo = unique(calls)
+    largest = 0
+    for c in todo:
+        specs = [c.x, c.w, c.grad_out, c.bias]
+        largest = max(largest, sum(s.nbytes for s in specs if s is not None))
+        c.run(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return PrimeReport(len(todo), time.perf_counter() - t0, largest)
+
+
+def searches(device: torch.device) -> bool:
+    """Whether convolutions on ``device`` search for their plan (cuDNN with benchmark on)."""
+    return (device.type == "cuda" and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
+            and torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic)
