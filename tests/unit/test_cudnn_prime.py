@@ -125,3 +125,18 @@ def test_bench_reports_the_search_time():
     assert "cuDNN's search for 46 convolutions before the first step took 12.8s" in out
     del rec["cudnn_prime"]
     assert "cuDNN" not in table([rec])
+
+
+def test_a_model_the_meta_device_cannot_run_leaves_the_search_to_the_steps(monkeypatch, tmp_path):
+    from tests.helpers import small_config
+    from tr_hydra.runtime.runner import Trainer
+    logged = []
+    tr = Trainer(small_config(), run_dir=tmp_path, log=logged.append, telemetry=False, source=False)
+    h = tr.model.register_forward_pre_hook(lambda m, a: a[0].sum().item())  # no values on meta
+    monkeypatch.setattr(cp, "searches", lambda device: True)
+    assert tr.prime_cudnn() is None and tr.cudnn_prime is None
+    assert any("does not run on the meta device" in m and "cuDNN searches inside the first steps" in m
+               for m in logged), logged
+    h.remove()
+    rep = tr.prime_cudnn()  # the same trainer, recordable: primed (on the CPU the runs just run)
+    assert rep is not None and rep.calls > 0 and tr.cudnn_prime is rep

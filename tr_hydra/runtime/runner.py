@@ -247,12 +247,21 @@ class Trainer:
             return None
         dt = self.arena.half_dtype if pc.amp else torch.float32
         calls = []
-        for v in pc.variants:
-            calls += cudnn_prime.record(self.model, v.batch, pc.data.channels, v.res, dt, v.train,
-                                        pc.runtime.channels_last)
-        stream = capture_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        try:
+            for v in pc.variants:
+                calls += cudnn_prime.record(self.model, v.batch, pc.data.channels, v.res, dt, v.train,
+                                            pc.runtime.channels_last)
+        except Exception as e:  # a model the meta device cannot run: the steps search, as without
+            why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            self.log(f"runtime.prime_cudnn: the model does not run on the meta device ({why}); "
+                     f"cuDNN searches inside the first steps instead")
+            return None
+        if self.device.type == "cuda":  # on the stream the warm-up and capture use
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                rep = cudnn_prime.prime(calls, self.device)
+        else:
             rep = cudnn_prime.prime(calls, self.device)
         self.log(f"runtime.prime_cudnn: cuDNN searched {rep.calls} convolutions before the first "
                  f"step in {rep.seconds:.1f}s")
