@@ -97,6 +97,7 @@ class RuntimeSpec:
     stem: str = "auto"
     recompute: str = "none"
     prime_cudnn: bool = True
+    autotune_flush: str = "fit"
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,11 @@ class Recompute(enum.Enum):
     pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
 
 
+class AutotuneFlush(enum.Enum):
+    fit = "fit"    # Inductor's autotuning flushes L2 with at most the room under the memory high-water mark
+    full = "full"  # Inductor's own L2-sized buffer, wherever the step's memory stands
+
+
 class PlanFormat(enum.Enum):
     table = "table"
     json = "json"
@@ -187,6 +192,7 @@ class RuntimeConfig:
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
+    autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
 
 
 @dataclass

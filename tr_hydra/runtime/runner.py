@@ -1,6 +1,7 @@
 """Runner: compile, allocate, bind, capture, then epochs of replayed steps and validation."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -168,6 +169,7 @@ class Trainer:
         self.source = self._make_source() if source else None  # no source: precompile children
         self.graphs = None
         self.cudnn_prime = None  # prime_cudnn's report
+        self.autotune_flush = None  # runtime.autotune_flush's report (capture)
         self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
         # resumed follows the same learning-rate curve as one that never stopped)
@@ -220,8 +222,13 @@ class Trainer:
         pre = self._precompiler(train_v, val_v)
         try:
             self.prime_cudnn()  # while the children compile
-            self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
-                                before_variant=pre.wait if pre else None)
+            with self._autotune_flush() as flush:
+                self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
+                                    before_variant=pre.wait if pre else None)
+            if flush is not None:
+                self.autotune_flush = flush
+                if flush.benchmarks or not flush.supported:
+                    self.log(flush.line())
         except torch.cuda.OutOfMemoryError:
             from tr_hydra.runtime.guards import MemoryPlanError, capture_oom_message
             self.graphs = None
@@ -234,6 +241,18 @@ class Trainer:
                 pre.close()
         self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
                  f"in {self.graphs.capture_seconds:.1f}s")
+
+    @contextlib.contextmanager
+    def _autotune_flush(self):
+        """``runtime.autotune_flush=fit`` with Inductor: while every variant warms up, Triton's
+        autotuning flushes L2 with at most the room under the memory high-water mark (see
+        ``autotune_flush``); yields its report, or None."""
+        if not self.inductor or self.pc.runtime.autotune_flush != "fit":
+            yield None
+            return
+        from tr_hydra.runtime.autotune_flush import fit_under_peak
+        with fit_under_peak(self.device) as rep:
+            yield rep
 
     def prime_cudnn(self):
         """``runtime.prime_cudnn``: cuDNN's algorithm search for every convolution the steps run,
