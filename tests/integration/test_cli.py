@@ -162,10 +162,17 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
         assert set(r["step_ms_by_variant"]) == set(mix["variants"])
     assert set(mix["modes"]["eager"]["first_step_seconds_by_variant"]) == set(mix["variants"])
+    parts = mix["modes"]["tr"]["ready_seconds"]  # the time to the first steps, split
+    assert set(parts) == {"trainer", "prime_cudnn", "warmup", "graphs"} and parts["trainer"] > 0
+    assert sum(parts.values()) <= mix["modes"]["tr"]["first_step_of_all_variants_seconds"]
     # the profiler pass: per-mode time by group, the convolutions among the top operators
     assert [p["mode"] for p in res["profile"]] == ["eager", "tr"] and "kernels per step" in out.stdout
     for p in res["profile"]:
         assert any("conv" in k["name"] for k in p["top_kernels"][:5]) and p["wall_ms_per_step"] > 0
+        # each group's own largest, adding up to no more than the group
+        assert set(p["top_by_group"]) == set(p["groups_ms_per_step"])
+        for g, top in p["top_by_group"].items():
+            assert top and sum(k["ms_per_step"] for k in top) <= p["groups_ms_per_step"][g] * (1 + 1e-9)
     bad = run("tr-bench", "bench.modes=[eager,turbo]", cwd=tmp_path)
     lines = [l for l in bad.stderr.splitlines() if l.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and "unknown ['turbo']" in lines[0], bad.stderr

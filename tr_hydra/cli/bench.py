@@ -183,6 +183,10 @@ class Mode:
         rep = getattr(self.trainer, "cudnn_prime", None)
         if rep is not None:  # runtime.prime_cudnn: part of first_step_seconds
             out["cudnn_prime"] = {"convolutions": rep.calls, "seconds": rep.seconds}
+        fl = getattr(self.trainer, "autotune_flush", None)
+        if fl is not None:  # runtime.autotune_flush=fit: the warm-up's autotuning benchmarks
+            out["autotune_flush"] = {"benchmarks": fl.benchmarks, "cut": fl.cut, "full_bytes": fl.full_bytes,
+                                     "smallest_bytes": fl.smallest_bytes, "supported": fl.supported}
         if self.other_times:
             key = "img_per_sec_ab_schedule" if self.single_buffer else "img_per_sec_single_buffer"
             out[key + "_median"] = statistics.median(self.other_times)
@@ -254,7 +258,12 @@ def profile_mode(mode: "Mode", steps: int = 5) -> dict:
             "groups_ms_per_step": {g: v[0] / per / 1000 for g, v in sorted(groups.items(), key=lambda kv: -kv[1][0])},
             "group_kernels_per_step": {g: v[1] / per for g, v in groups.items()},
             "top_kernels": [{"name": n[:160], "ms_per_step": v[0] / per / 1000, "calls_per_step": v[1] / per}
-                            for n, v in top]}
+                            for n, v in top],
+            # the few largest of each group, the small groups included (memsets, eager kernels)
+            "top_by_group": {g: [{"name": n[:160], "ms_per_step": v[0] / per / 1000, "calls_per_step": v[1] / per}
+                                 for n, v in sorted(((n, v) for n, v in kernels.items() if _group(n) == g),
+                                                    key=lambda kv: -kv[1][0])[:5]]
+                             for g in groups}}
 
 
 def profile_table(profiles: list[dict]) -> str:
@@ -309,6 +318,7 @@ def mix_tr(pc, device, repeat: int) -> dict:
     from tr_hydra.runtime.runner import Trainer
     t0 = time.perf_counter()
     tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *_: None, telemetry=False)
+    built = time.perf_counter() - t0
     tr.capture()
     tr.run_steps([(v.name, 0, v.batch) for v in pc.variants if v.train], "train")
 
@@ -348,6 +358,12 @@ def mix_tr(pc, device, repeat: int) -> dict:
     return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
             "step_ms_by_variant": per_variant,
             "warmup_seconds_by_variant": dict(g.warmup_seconds) if g is not None else {},
+            # where the time to the first steps went: building the trainer (model, plan, arena),
+            # cuDNN's search, the warm-ups (compiles, or waiting for them), capturing the graphs
+            "ready_seconds": {"trainer": built,
+                              "prime_cudnn": tr.cudnn_prime.seconds if tr.cudnn_prime else 0.0,
+                              "warmup": sum(g.warmup_seconds.values()) if g is not None else 0.0,
+                              "graphs": g.graph_seconds if g is not None else 0.0},
             "precompile": tr.precompile_summary}
 
 

@@ -32,7 +32,8 @@ class CudaGraphs:
         self.stream = capture_stream(executor.device)
         self.train: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.val: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # warm-up and capture, all variants
+        self.graph_seconds = 0.0  # of it, capturing the graphs
         self.warmup_seconds: dict[str, float] = {}  # per variant: waiting for its compile, then warm-up
         self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
@@ -70,11 +71,14 @@ class CudaGraphs:
         torch.cuda.synchronize()
         # where the peak comes from: warm-up (eager side stream, autotuning) or the capture
         self.peak_after_warmup = torch.cuda.max_memory_allocated()
+        t = time.perf_counter()
         self._capture_each(train_variants, ex.train_step, self.train)
         model.eval()
         with ex.folded():
             self._capture_each(val_variants, ex.val_step, self.val)
         model.train()
+        torch.cuda.synchronize()
+        self.graph_seconds = time.perf_counter() - t
         ex.arena.arena.copy_(snapshot)
         del snapshot
         torch.cuda.synchronize()
