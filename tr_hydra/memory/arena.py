@@ -56,8 +56,21 @@ class ArenaKeeper:
             raise PlanError(f"{t.name} has no PyTorch shape")
         v = self.view(t)
         if len(t.torch_shape) == 4:
-            return v.permute(0, 3, 1, 2)  # (O,kh,kw,I) -> (O,I,kh,kw), channels_last
-        return v.reshape(t.torch_shape)
+            v = v.permute(0, 3, 1, 2)  # (O,kh,kw,I) -> (O,I,kh,kw), channels_last
+        else:
+            v = v.reshape(t.torch_shape)
+        return self._standalone(v)
+
+    def _standalone(self, v: torch.Tensor) -> torch.Tensor:
+        """``v``'s bytes, sizes and strides as a tensor that is not a view (no ``_base``). A
+        parameter's ``.grad`` that is a view makes Dynamo give the gradient a symbolic shape
+        context of its own (PyTorch's ``_grad_context_compatible``: a view's base does not match
+        the parameter's): every size, stride and offset becomes a symbol, later specialised by
+        guards, which made tracing ResNet-50 3-4x slower. Bound this way, the parameter, its
+        gradient and the BN statistics trace as static tensors, as a plain model's do."""
+        t = torch.empty(0, dtype=v.dtype, device=self.device)
+        t.set_(self.arena.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        return t
 
     def span(self, start: Region, end: Region | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Flat view over regions start..end, blind to tensor boundaries."""
