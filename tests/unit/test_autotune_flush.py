@@ -114,3 +114,14 @@ def test_the_option_composes_and_a_bad_value_is_a_config_error():
     assert plan_config_from(compose(["runtime.autotune_flush=full"])).runtime.autotune_flush == "full"
     with pytest.raises(Exception, match="autotune_flush"):  # the CLIs print it as one line
         plan_config_from(compose(["runtime.autotune_flush=half"]))
+
+
+def test_bench_table_says_how_many_benchmarks_were_cut():
+    from tr_hydra.cli.bench import table
+    rec = {"mode": "tr-inductor", "img_per_sec_median": 100.0, "spread": 0.0, "peak_bytes": 2**20,
+           "first_step_seconds": 3.0, "memory": {"arena_bytes": 2**20},
+           "autotune_flush": {"benchmarks": 109, "cut": 55, "full_bytes": L2, "smallest_bytes": 0,
+                              "supported": True}}
+    assert "ran 109 benchmarks in the warm-up; 55 flushed L2 with less than 60 MiB" in table([rec])
+    rec["autotune_flush"]["benchmarks"] = 0  # warm caches: nothing autotuned, nothing said
+    assert "autotuning" not in table([rec])

@@ -486,6 +486,11 @@ def table(records: list[dict]) -> str:
             cp = r["cudnn_prime"]
             lines.append(f"{r['mode']}: cuDNN's search for {cp['convolutions']} convolutions before the first "
                          f"step took {cp['seconds']:.1f}s (runtime.prime_cudnn)")
+        fl = r.get("autotune_flush")
+        if fl and fl.get("benchmarks"):
+            lines.append(f"{r['mode']}: Triton's autotuning ran {fl['benchmarks']} benchmarks in the warm-up; "
+                         f"{fl['cut']} flushed L2 with less than {fl['full_bytes'] / 2**20:.0f} MiB to stay under "
+                         f"the peak (runtime.autotune_flush)")
     return "\n".join(lines)
 
 
