@@ -115,3 +115,52 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
         tr.inductor = True  # as on CUDA with runtime.compile=auto
         assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), Fake)
         assert seen["order"] == want and seen["n"] == len(want)
+
+
+def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():
+    """The main process only looks at the children between its own compiles; a child's time is
+    when it finished, from its own report, with its phases (building the trainer, the step)."""
+    import time
+    pc = small_config(train_size=80, val_size=40)
+    pre = pcm.Precompiler(pc, [("val_base", False)], workers=1, log=lambda *_: None)
+    try:
+        c = pre.children[0]
+        c.proc.wait()
+        finished = time.perf_counter() - c.started
+        time.sleep(2.0)  # busy elsewhere
+        pre.wait("val_base")
+        s = pre.summary()["val_base"]
+    finally:
+        pre.close()
+    assert s["ok"], s
+    assert s["seconds"] <= finished + 0.1, (s, finished)
+    assert s["trainer_s"] > 0 and s["step_s"] > 0
+    assert s["import_s"] + s["trainer_s"] + s["step_s"] <= s["seconds"] + 0.1
+    assert "done_at" not in s and isinstance(s["phases_s"], dict)
+
+
+def test_next_ready_picks_a_variant_whose_compile_is_done(tmp_path):
+    """The warm-up takes the variants in the order their compiles finish: a finished child's
+    variant before a running one's, a queued (never started) one at once, since the main process
+    compiles it itself, and a variant with no child at all (the first) at once."""
+    import subprocess
+    import sys
+    import time
+    pc = small_config(train_size=80, val_size=40)
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False), ("val_last", False)],
+                          workers=0, log=lambda *_: None)
+    try:
+        slow, fast, queued = pre.children
+        for c, cmd in ((slow, ["sleep", "30"]), (fast, [sys.executable, "-c", "pass"])):
+            pre._queue.remove(c)
+            c.log_path = str(tmp_path / f"{c.name}.log")
+            open(c.log_path, "w").close()
+            c.started, c.started_wall = time.perf_counter(), time.time()
+            c.proc = subprocess.Popen(cmd)
+        t = time.perf_counter()
+        assert pre.next_ready(["train_last", "val_base"]) == "val_base"
+        assert pre.next_ready(["train_last", "val_last"]) == "val_last"
+        assert pre.next_ready(["train_base", "train_last"]) == "train_base"
+        assert time.perf_counter() - t < 10 and slow.ok is None
+    finally:
+        pre.close()

@@ -38,35 +38,40 @@ class CudaGraphs:
         self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
-                before_variant=None) -> None:
+                before_variant=None, next_variant=None) -> None:
         """Warm up eagerly on a side stream (cuDNN autotuning, lazy init, Inductor compiles), then
         capture. Warm-up changes weights and statistics, so the arena is restored afterwards.
         ``before_variant(name)`` runs before a variant's first warm-up step (the parallel
-        precompiler waits there for that variant's compile)."""
+        precompiler waits there for that variant's compile). ``next_variant(names)`` picks which
+        of the variants not yet warmed up goes next (the precompiler: one whose compile is done);
+        without it, training variants first, in order, then validation ones."""
         ready = before_variant or (lambda _name: None)
+        pick = next_variant or (lambda names: names[0])
         t0 = time.perf_counter()
         ex, model = self.ex, self.ex.model
         # host copy: a device copy would add the arena's size to the peak memory
         snapshot = ex.arena.arena.to("cpu", copy=True)
         side = self.stream
         side.wait_stream(torch.cuda.current_stream())
+        todo = list(train_variants) + list(val_variants)
         with torch.cuda.stream(side):
-            for v in train_variants:
+            while todo:
                 t = time.perf_counter()
+                v = pick(list(todo))
+                todo.remove(v)
                 ready(v)
-                for _ in range(max(warmup_steps, 1)):
-                    ex.train_step(v, "A")
+                if v in train_variants:
+                    for _ in range(max(warmup_steps, 1)):
+                        ex.train_step(v, "A")
+                else:
+                    model.eval()
+                    try:
+                        with ex.folded():
+                            ex.val_step(v, "A")
+                    finally:
+                        model.train()
                 side.synchronize()
                 self.warmup_seconds[v] = time.perf_counter() - t
-            model.eval()
-            with ex.folded():
-                for v in val_variants:
-                    t = time.perf_counter()
-                    ready(v)
-                    ex.val_step(v, "A")
-                    side.synchronize()
-                    self.warmup_seconds[v] = time.perf_counter() - t
-            model.train()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         # where the peak comes from: warm-up (eager side stream, autotuning) or the capture

@@ -66,6 +66,7 @@ class _Child:
     proc: subprocess.Popen | None = None
     log_path: str = ""
     started: float = 0.0
+    started_wall: float = 0.0
     seconds: float = 0.0
     ok: bool | None = None
     counters: dict = field(default_factory=dict)
@@ -108,6 +109,7 @@ class Precompiler:
                 self.log(f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
                 continue
             c.started = time.perf_counter()
+            c.started_wall = time.time()
             running += 1
 
     def _reap(self, c: _Child, block: bool) -> bool:
@@ -116,7 +118,7 @@ class Precompiler:
         rc = c.proc.wait() if block else c.proc.poll()
         if rc is None:
             return False
-        c.seconds = time.perf_counter() - c.started
+        c.seconds = time.perf_counter() - c.started  # until reaped: the main process may look late
         c.ok = rc == 0
         with open(c.log_path, errors="replace") as f:
             text = f.read()
@@ -127,6 +129,9 @@ class Precompiler:
                 except ValueError:
                     pass
                 break
+        done_at = c.counters.pop("done_at", None)
+        if isinstance(done_at, (int, float)):  # when the child itself finished (same host clock)
+            c.seconds = max(0.0, min(c.seconds, done_at - c.started_wall))
         if c.ok:
             self.log(f"  {c.name}: compiled in a parallel process in {c.seconds:.0f}s")
         else:
@@ -150,6 +155,21 @@ class Precompiler:
                 return
             time.sleep(0.05)
 
+    def next_ready(self, names: list[str]) -> str:
+        """The first of ``names`` (in order) that needs no waiting: its child is done, or it has
+        none (the main process compiles it). If every one waits on a running child, block until
+        one of them finishes. So the main process loads each variant as soon as it is compiled."""
+        by_name = {c.name: c for c in self.children}
+        while True:
+            for c in self.children:
+                self._reap(c, block=False)
+            self._fill()
+            for n in names:
+                c = by_name.get(n)
+                if c is None or c.ok is not None or (c.proc is None and c in self._queue):
+                    return n
+            time.sleep(0.05)
+
     def close(self) -> None:
         for c in self.children:
             if c.proc is not None and c.ok is None and c.proc.poll() is None:
@@ -160,6 +180,20 @@ class Precompiler:
 
     def summary(self) -> dict:
         return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1), **c.counters} for c in self.children}
+
+
+# Dynamo's and Inductor's own phase timers, summed over the child's compiles: where its time goes
+PHASES = (("trace", "bytecode_tracing"), ("aot", "create_aot_dispatcher_function"),
+          ("inductor", "compile_fx_inner"), ("triton_wait", "async_compile.wait"),
+          ("autotune", "CachingAutotuner.benchmark_all_configs"))
+
+
+def _phases() -> dict:
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as m
+    except ImportError:
+        return {}
+    return {short: round(sum(m[key]), 2) for short, key in PHASES if m.get(key)}
 
 
 def _counters() -> dict:
@@ -175,11 +209,13 @@ def _counters() -> dict:
 def _child_main(argv: list[str]) -> int:
     """One variant's step, once, in a fresh process: the compiles land in the shared caches."""
     path, name, split, index = argv
+    t0 = time.perf_counter()
     with open(path, "rb") as f:
         pc = pickle.load(f)
     import dataclasses
     import torch
     from tr_hydra.runtime.runner import Trainer
+    t_import = time.perf_counter()
     # under ddp: the same plan (world size included, so the same graphs) on the rank's own
     # device, with no process group; the children only compile
     pc = dataclasses.replace(pc, dist=dataclasses.replace(pc.dist, mode="none"))
@@ -187,6 +223,7 @@ def _child_main(argv: list[str]) -> int:
         torch.cuda.set_device(int(index))
     with tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_run_") as run_dir:
         tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False)
+        t_trainer = time.perf_counter()  # with the CUDA context
         # cuDNN's algorithm search is the main process's to do (it times on the shared GPU); the
         # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
         torch.backends.cudnn.benchmark = False
@@ -198,7 +235,10 @@ def _child_main(argv: list[str]) -> int:
                 tr.ex.val_step(name, "A")
         if tr.device.type == "cuda":
             torch.cuda.synchronize(tr.device)
-    print(json.dumps(_counters()), flush=True)
+    t_end = time.perf_counter()
+    out = dict(_counters(), import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
+               step_s=round(t_end - t_trainer, 2), phases_s=_phases(), done_at=time.time())
+    print(json.dumps(out), flush=True)
     return 0
 
 

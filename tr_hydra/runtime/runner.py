@@ -224,7 +224,8 @@ class Trainer:
             self.prime_cudnn()  # while the children compile
             with self._autotune_flush() as flush:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
-                                    before_variant=pre.wait if pre else None)
+                                    before_variant=pre.wait if pre else None,
+                                    next_variant=pre.next_ready if pre else None)
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
