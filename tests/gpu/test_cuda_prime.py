@@ -86,3 +86,34 @@ def test_trainer_warm_up_finds_every_plan_primed(tmp_path, compile):
     tr2 = Trainer(off, tmp_path / "off", log=lambda *_: None)
     assert tr2.prime_cudnn() is None
     assert search_allocations(tr2.capture)
+
+
+def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_before_any_step(tmp_path):
+    """No explicit priming: capture() starts the search on a thread while the first variant
+    compiles, and the main thread searches at the end of that compile. Every search allocation
+    (either thread's) comes before the compiled step's first allocation: none in a warm-up step."""
+    batch = 18  # shapes of their own: cuDNN's cache is per process
+    pc = small_config(device="cuda", compile="inductor", amp=True, batch=batch, val_batch=batch,
+                      train_size=3 * batch + 7, val_size=batch + 1, lowres_epochs=1, max_steps=2)
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all")
+    try:
+        tr.capture()
+        torch.cuda.synchronize()
+    finally:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    allocs = [e for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"]
+    search_at = [i for i, e in enumerate(allocs)
+                 if any("generate_and_filter_plans" in f["name"] for f in e.get("frames", ()))]
+    assert search_at, "no search seen (is cudnn.benchmark on?)"
+    # the compiled code's own buffers (Inductor's generated module, in its cache folder)
+    compiled = [i for i, e in enumerate(allocs)
+                if any(f["filename"].startswith(cache_dir()) for f in e.get("frames", ()))]
+    assert compiled, "the compiled step's allocations were not seen"
+    assert max(search_at) < compiled[0], (max(search_at), compiled[0])
+    rep = tr.cudnn_prime
+    assert rep is not None and rep.in_first_compile and rep.ahead_seconds > 0 and rep.calls > 10
+    tr.fit()

@@ -122,7 +122,10 @@ def test_bench_reports_the_search_time():
            "first_step_seconds": 3.0, "memory": {"arena_bytes": 2**20},
            "cudnn_prime": {"convolutions": 46, "seconds": 12.84}}
     out = table([rec])
-    assert "cuDNN's search for 46 convolutions before the first step took 12.8s" in out
+    assert "cuDNN's search for 46 convolutions before the first step took 12.8s (runtime" in out
+    rec["cudnn_prime"].update(in_first_compile=True, ahead_seconds=41.2, waited=3.04)
+    assert ("took 12.8s, at the end of the first compile, after 41.2s on a thread beside it "
+            "(waited 3.0s)") in table([rec])
     del rec["cudnn_prime"]
     assert "cuDNN" not in table([rec])
 
@@ -140,3 +143,79 @@ def test_a_model_the_meta_device_cannot_run_leaves_the_search_to_the_steps(monke
     h.remove()
     rep = tr.prime_cudnn()  # the same trainer, recordable: primed (on the CPU the runs just run)
     assert rep is not None and rep.calls > 0 and tr.cudnn_prime is rep
+
+
+def _slow_prime(monkeypatch, seconds=0.8):
+    """cudnn_prime.prime replaced by one that takes ``seconds``, noting the thread and end time."""
+    import threading
+    import time
+    runs = []
+
+    def prime(calls, device):
+        time.sleep(seconds)
+        runs.append((threading.get_ident(), time.perf_counter()))
+        return cp.PrimeReport(len(calls), seconds, 0)
+    monkeypatch.setattr(cp, "prime", prime)
+    return runs
+
+
+def test_search_ahead_then_on_the_main_thread_before_the_compiled_code_runs(monkeypatch):
+    """The thread searches while the main thread compiles; when Dynamo finishes the compile, the
+    main thread waits for it and searches itself (its cache is the one the steps use), and only
+    then does the compiled code run."""
+    import threading
+    import time
+    assert cp.can_search_ahead()  # the PyTorch versions supported have the callback
+    torch._dynamo.reset()
+    runs = _slow_prime(monkeypatch)
+    conv = nn.Conv2d(3, 4, 3)
+    calls = cp.record(conv, 2, 3, 8, torch.float32, True, channels_last=False)
+    main = []
+
+    def main_search():
+        main.append(threading.get_ident())
+        return cp.prime(calls, torch.device("cpu"))
+    ran = []
+
+    def step(x):
+        return conv(x).relu().sum()
+    f = torch.compile(step, backend="eager", dynamic=False)
+    job = cp.BeforeFirstRun(calls, torch.device("cpu"), None, main_search)
+    out = f(torch.randn(2, 3, 8, 8))
+    ran.append(time.perf_counter())
+    f(torch.randn(2, 3, 8, 8))  # no second main search
+    rep = job.close()
+    assert torch.isfinite(out)
+    assert len(runs) == 2 and runs[0][0] != threading.get_ident()  # the thread's, then the main one
+    assert main == [threading.get_ident()] and runs[1][0] == threading.get_ident()
+    assert runs[0][1] <= runs[1][1] <= ran[0]
+    assert rep.calls == len(calls) and rep.ahead_seconds == 0.8 and rep.waited > 0.3, rep
+    from torch._dynamo.callback import callback_handler
+    assert job._cb not in callback_handler.end_callbacks  # later compiles do not search
+
+
+def test_search_ahead_error_is_raised_at_close_not_inside_dynamo(monkeypatch):
+    torch._dynamo.reset()
+    _slow_prime(monkeypatch, seconds=0.1)
+
+    def main_search():
+        raise torch.cuda.OutOfMemoryError("no room for the workspace")
+    job = cp.BeforeFirstRun([], torch.device("cpu"), None, main_search)
+    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))  # the compile itself is untouched
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="no room"):
+        job.close()
+
+
+def test_search_ahead_ignores_a_compile_on_another_thread(monkeypatch):
+    import threading
+    torch._dynamo.reset()
+    _slow_prime(monkeypatch, seconds=0.1)
+    main = []
+    job = cp.BeforeFirstRun([], torch.device("cpu"), None, lambda: main.append(1))
+    f = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+    t = threading.Thread(target=lambda: f(torch.ones(2)))
+    t.start()
+    t.join()
+    assert main == []
+    assert job.close() is None  # no compile on the main thread: no main search

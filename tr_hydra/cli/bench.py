@@ -182,7 +182,7 @@ class Mode:
                "memory": self.memory}
         rep = getattr(self.trainer, "cudnn_prime", None)
         if rep is not None:  # runtime.prime_cudnn: part of first_step_seconds
-            out["cudnn_prime"] = {"convolutions": rep.calls, "seconds": rep.seconds}
+            out["cudnn_prime"] = _prime_json(rep)
         fl = getattr(self.trainer, "autotune_flush", None)
         if fl is not None:  # runtime.autotune_flush=fit: the warm-up's autotuning benchmarks
             out["autotune_flush"] = {"benchmarks": fl.benchmarks, "cut": fl.cut, "full_bytes": fl.full_bytes,
@@ -360,11 +360,21 @@ def mix_tr(pc, device, repeat: int) -> dict:
             "warmup_seconds_by_variant": dict(g.warmup_seconds) if g is not None else {},
             # where the time to the first steps went: building the trainer (model, plan, arena),
             # cuDNN's search, the warm-ups (compiles, or waiting for them), capturing the graphs
+            # (the search done at the end of the first compile is part of that warm-up)
             "ready_seconds": {"trainer": built,
-                              "prime_cudnn": tr.cudnn_prime.seconds if tr.cudnn_prime else 0.0,
+                              "prime_cudnn": (tr.cudnn_prime.seconds if tr.cudnn_prime
+                                              and not tr.cudnn_prime.in_first_compile else 0.0),
                               "warmup": sum(g.warmup_seconds.values()) if g is not None else 0.0,
                               "graphs": g.graph_seconds if g is not None else 0.0},
+            "cudnn_prime": _prime_json(tr.cudnn_prime) if tr.cudnn_prime else None,
             "precompile": tr.precompile_summary}
+
+
+def _prime_json(rep) -> dict:
+    """runtime.prime_cudnn's report (``ahead_seconds``: a thread's search beside the first
+    compile; ``waited``: the main thread's wait for it)."""
+    return {"convolutions": rep.calls, "seconds": rep.seconds, "in_first_compile": rep.in_first_compile,
+            "ahead_seconds": rep.ahead_seconds, "waited": rep.waited}
 
 
 def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
@@ -484,8 +494,10 @@ def table(records: list[dict]) -> str:
                          f"peak {r['peak_bytes'] / 2**20:,.0f}, predicted {mib('predicted_need_bytes')}")
         if "cudnn_prime" in r:
             cp = r["cudnn_prime"]
+            ahead = (f", at the end of the first compile, after {cp['ahead_seconds']:.1f}s on a thread beside it "
+                     f"(waited {cp['waited']:.1f}s)" if cp.get("in_first_compile") else "")
             lines.append(f"{r['mode']}: cuDNN's search for {cp['convolutions']} convolutions before the first "
-                         f"step took {cp['seconds']:.1f}s (runtime.prime_cudnn)")
+                         f"step took {cp['seconds']:.1f}s{ahead} (runtime.prime_cudnn)")
         fl = r.get("autotune_flush")
         if fl and fl.get("benchmarks"):
             lines.append(f"{r['mode']}: Triton's autotuning ran {fl['benchmarks']} benchmarks in the warm-up; "

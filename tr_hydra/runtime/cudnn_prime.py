@@ -13,9 +13,21 @@ parameters, not by the data, so the plan found is the one the step would have fo
 Which convolutions the steps run is found by running the model on the meta device (no memory,
 no compute) under a dispatch mode that records every ``aten.convolution`` and
 ``aten.convolution_backward`` call: the forward and backward of each training variant, the
-forward of each validation variant."""
+forward of each validation variant.
+
+With Inductor, the search can start before the first compile (``BeforeFirstRun``). PyTorch keeps
+cuDNN's search results per thread (``thread_local BenchmarkCache`` in ATen's ``Conv_v8.cpp``), so
+a search on another thread does not serve the steps. But what makes the first search of a
+process slow is process-wide: loading cuDNN's kernels (39-48 s against 11-14 s on the H200, on a
+freshly started machine). So a thread runs the search while the main thread compiles the first
+variant (Dynamo, AOTAutograd and Inductor work on fake tensors and run no convolution; cuDNN
+releases the GIL while it times its candidates), and the main thread runs it again, now with
+everything loaded, when Dynamo finishes that compile: its compile-end callback runs after the
+backend has compiled the graph and before the compiled code first runs, so the steps still find
+every plan cached and the workspaces still come before any activation."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -159,6 +171,10 @@ class PrimeReport:
     calls: int = 0          # distinct convolutions run
     seconds: float = 0.0
     largest_bytes: int = 0  # the largest call's tensors (its workspace comes on top)
+    in_first_compile: bool = False  # BeforeFirstRun: done at the end of the first compile (so
+    # inside the first variant's warm-up), after a thread's search beside that compile:
+    ahead_seconds: float = 0.0  # the thread's search
+    waited: float = 0.0     # BeforeFirstRun: how long the main thread then waited for the thread
 
 
 def prime(calls: list[ConvCall], device: torch.device) -> PrimeReport:
@@ -180,3 +196,80 @@ def searches(device: torch.device) -> bool:
     """Whether convolutions on ``device`` search for their plan (cuDNN with benchmark on)."""
     return (device.type == "cuda" and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
             and torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic)
+
+
+def _end_callbacks():
+    """Dynamo's compile-end callback registry (register, remove), or None in a PyTorch without it."""
+    try:
+        from torch._dynamo.callback import callback_handler as h
+    except ImportError:
+        return None
+    reg, rem = getattr(h, "register_end_callback", None), getattr(h, "remove_end_callback", None)
+    return (reg, rem) if reg and rem else None
+
+
+def can_search_ahead() -> bool:
+    return _end_callbacks() is not None
+
+
+class BeforeFirstRun:
+    """The search for ``calls`` started on a thread now, on ``device`` and ``stream`` (loading
+    cuDNN for the process), then done on the calling thread, whose cache the steps use, when
+    Dynamo next finishes a compile there, before the compiled code runs: ``main_search()``, once,
+    after waiting for the thread. ``close()`` returns the main search's report (``ahead_seconds``
+    and ``waited`` filled in), or None if no compile came, and raises what the main search
+    raised; nothing is raised inside Dynamo."""
+
+    def __init__(self, calls: list[ConvCall], device: torch.device, stream, main_search):
+        reg_rem = _end_callbacks()
+        if reg_rem is None:
+            raise RuntimeError("this PyTorch has no Dynamo compile-end callback")
+        self._reg, self._rem = reg_rem
+        self._main_search = main_search
+        self.report: PrimeReport | None = None
+        self._ahead: PrimeReport | None = None
+        self._error: BaseException | None = None
+        self._waited = 0.0
+        self._done = False
+        self._owner = threading.get_ident()
+
+        def ahead():
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # a thread has its own current device
+                    with torch.cuda.stream(stream):
+                        self._ahead = prime(calls, device)
+                else:
+                    self._ahead = prime(calls, device)
+            except Exception:  # noqa: BLE001 - only a head start: the main search runs regardless
+                self._ahead = None
+        self._thread = threading.Thread(target=ahead, name="tr_hydra-cudnn-ahead", daemon=True)
+        self._cb = self._reg(self._on_compile_end)
+        self._thread.start()
+
+    def _on_compile_end(self, *_args) -> None:
+        if self._done or threading.get_ident() != self._owner:  # another thread's compile
+            return
+        self._done = True
+        t = time.perf_counter()
+        self._thread.join()
+        self._waited = time.perf_counter() - t
+        try:
+            self.report = self._main_search()
+        except BaseException as e:  # noqa: BLE001 - raised at close(), not inside Dynamo
+            self._error = e
+
+    def close(self) -> PrimeReport | None:
+        try:
+            self._rem(self._cb)
+        except ValueError:  # already gone
+            pass
+        self._thread.join()
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+        if self.report is not None:
+            self.report.in_first_compile = True
+            self.report.ahead_seconds = self._ahead.seconds if self._ahead is not None else 0.0
+            self.report.waited = self._waited
+        return self.report

@@ -220,12 +220,21 @@ class Trainer:
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
         pre = self._precompiler(train_v, val_v)
+        ahead = None
         try:
-            self.prime_cudnn()  # while the children compile
+            # cuDNN's search while the children compile; with Inductor, started on a thread
+            # while this process compiles its first variant and finished here before that
+            # variant's compiled code runs (see cudnn_prime.BeforeFirstRun)
+            ahead = self._search_ahead()
+            if ahead is None and self.cudnn_prime is None:
+                self.prime_cudnn()
             with self._autotune_flush() as flush:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
                                     before_variant=pre.wait if pre else None,
                                     next_variant=pre.next_ready if pre else None)
+            if ahead is not None:
+                job, ahead = ahead, None
+                self._primed(job.close())
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
@@ -237,6 +246,11 @@ class Trainer:
             free, _ = torch.cuda.mem_get_info(self.device)
             raise MemoryPlanError(capture_oom_message(self.compiled, free, str(self.device))) from None
         finally:
+            if ahead is not None:  # the capture failed: its error is the one raised
+                try:
+                    ahead.close()
+                except Exception:  # noqa: BLE001
+                    pass
             if pre:
                 self.precompile_summary = pre.summary()
                 pre.close()
@@ -260,8 +274,48 @@ class Trainer:
         done now, with only the arena alive, instead of inside the first step of each variant,
         where its workspace comes on top of every activation (see ``cudnn_prime``). Returns the
         report, or None when nothing searches (CPU, deterministic, the option off)."""
+        calls = self._prime_calls()
+        return None if calls is None else self._primed(self._search(calls))
+
+    def _search(self, calls):
+        """cuDNN's search for ``calls`` on this thread, on the stream the warm-up and capture use."""
         from tr_hydra.runtime import cudnn_prime
         from tr_hydra.runtime.graphs import capture_stream
+        if self.device.type != "cuda":
+            return cudnn_prime.prime(calls, self.device)
+        stream = capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            return cudnn_prime.prime(calls, self.device)
+
+    def _primed(self, rep):
+        if rep is None:
+            return None
+        where = "before the first step"
+        if rep.in_first_compile:
+            where = (f"at the end of the first compile, after a thread's search beside it "
+                     f"({rep.ahead_seconds:.1f}s, waited {rep.waited:.1f}s),")
+        self.log(f"runtime.prime_cudnn: cuDNN searched {rep.calls} convolutions {where} in {rep.seconds:.1f}s")
+        self.cudnn_prime = rep
+        return rep
+
+    def _search_ahead(self):
+        """With Inductor: ``cudnn_prime.BeforeFirstRun`` for every variant's convolutions, or None
+        (nothing to search, searched already, no compile-end callback in this PyTorch)."""
+        from tr_hydra.runtime import cudnn_prime
+        from tr_hydra.runtime.graphs import capture_stream
+        if self.cudnn_prime is not None or not self.inductor or not cudnn_prime.can_search_ahead():
+            return None
+        calls = self._prime_calls()  # on the meta device, before Dynamo touches the model
+        if calls is None:
+            return None
+        stream = capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return cudnn_prime.BeforeFirstRun(calls, self.device, stream, lambda: self._search(calls))
+
+    def _prime_calls(self):
+        """Every variant's convolutions, recorded on the meta device, or None (nothing searches)."""
+        from tr_hydra.runtime import cudnn_prime
         pc = self.pc
         if not pc.runtime.prime_cudnn or not cudnn_prime.searches(self.device):
             return None
@@ -276,17 +330,7 @@ class Trainer:
             self.log(f"runtime.prime_cudnn: the model does not run on the meta device ({why}); "
                      f"cuDNN searches inside the first steps instead")
             return None
-        if self.device.type == "cuda":  # on the stream the warm-up and capture use
-            stream = capture_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                rep = cudnn_prime.prime(calls, self.device)
-        else:
-            rep = cudnn_prime.prime(calls, self.device)
-        self.log(f"runtime.prime_cudnn: cuDNN searched {rep.calls} convolutions before the first "
-                 f"step in {rep.seconds:.1f}s")
-        self.cudnn_prime = rep
-        return rep
+        return calls
 
     def _precompiler(self, train_v: list[str], val_v: list[str]):
         """Parallel compiles of every variant after the first (``runtime.precompile``; the first
