@@ -234,7 +234,14 @@ class Trainer:
                                     next_variant=pre.next_ready if pre else None)
             if ahead is not None:
                 job, ahead = ahead, None
-                self._primed(job.close())
+                try:
+                    self._primed(job.close())
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the steps searched for themselves instead
+                    why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+                    self.log(f"runtime.prime_cudnn: the search at the end of the first compile failed "
+                             f"({why}); cuDNN searched inside the first steps instead")
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
