@@ -115,5 +115,6 @@ def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_befor
     assert compiled, "the compiled step's allocations were not seen"
     assert max(search_at) < compiled[0], (max(search_at), compiled[0])
     rep = tr.cudnn_prime
-    assert rep is not None and rep.in_first_compile and rep.ahead_seconds > 0 and rep.calls > 10
+    assert rep is not None and rep.in_first_compile and rep.calls > 10
+    assert rep.ahead_error == "" and rep.ahead_seconds > 0, rep
     tr.fit()

@@ -126,6 +126,9 @@ def test_bench_reports_the_search_time():
     rec["cudnn_prime"].update(in_first_compile=True, ahead_seconds=41.2, waited=3.04)
     assert ("took 12.8s, at the end of the first compile, after 41.2s on a thread beside it "
             "(waited 3.0s)") in table([rec])
+    rec["cudnn_prime"]["ahead_error"] = "ValueError: no index"
+    assert ("took 12.8s, at the end of the first compile (the thread's search beside it failed: "
+            "ValueError: no index)") in table([rec])
     del rec["cudnn_prime"]
     assert "cuDNN" not in table([rec])
 
@@ -219,3 +222,41 @@ def test_search_ahead_ignores_a_compile_on_another_thread(monkeypatch):
     t.join()
     assert main == []
     assert job.close() is None  # no compile on the main thread: no main search
+
+
+def test_search_ahead_on_cuda_without_an_index_sets_the_owner_device_on_its_thread(monkeypatch):
+    """``torch.device("cuda")`` carries no index and ``torch.cuda.set_device`` needs one: the
+    thread takes the owner's current device (the first GPU form passed the bare device, the
+    thread's search failed at once and nothing said so)."""
+    import contextlib
+    import threading
+    torch._dynamo.reset()
+    runs = _slow_prime(monkeypatch, seconds=0.05)
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append((threading.get_ident(), d)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    job = cp.BeforeFirstRun([], torch.device("cuda"), object(), lambda: cp.prime([], torch.device("cpu")))
+    f = torch.compile(lambda x: x - 1, backend="eager", dynamic=False)
+    f(torch.ones(2))
+    rep = job.close()
+    assert [d for _, d in set_to] == [3] and set_to[0][0] != threading.get_ident()
+    assert rep.ahead_error == "" and rep.ahead_seconds == 0.05 and len(runs) == 2
+
+
+def test_search_ahead_failure_on_the_thread_is_reported_and_the_main_search_still_runs(monkeypatch):
+    import threading
+    torch._dynamo.reset()
+    owner = threading.get_ident()
+
+    def prime(calls, device):
+        if threading.get_ident() != owner:
+            raise ValueError("Expected a torch.device with a specified index\nsecond line")
+        return cp.PrimeReport(len(calls), 0.2, 0)
+    monkeypatch.setattr(cp, "prime", prime)
+    job = cp.BeforeFirstRun([], torch.device("cpu"), None, lambda: cp.prime([], torch.device("cpu")))
+    f = torch.compile(lambda x: x * 3, backend="eager", dynamic=False)
+    f(torch.ones(2))
+    rep = job.close()
+    assert rep.seconds == 0.2 and rep.ahead_seconds == 0.0
+    assert rep.ahead_error == "ValueError: Expected a torch.device with a specified index"

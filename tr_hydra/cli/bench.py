@@ -374,7 +374,7 @@ def _prime_json(rep) -> dict:
     """runtime.prime_cudnn's report (``ahead_seconds``: a thread's search beside the first
     compile; ``waited``: the main thread's wait for it)."""
     return {"convolutions": rep.calls, "seconds": rep.seconds, "in_first_compile": rep.in_first_compile,
-            "ahead_seconds": rep.ahead_seconds, "waited": rep.waited}
+            "ahead_seconds": rep.ahead_seconds, "waited": rep.waited, "ahead_error": rep.ahead_error}
 
 
 def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
@@ -496,6 +496,8 @@ def table(records: list[dict]) -> str:
             cp = r["cudnn_prime"]
             ahead = (f", at the end of the first compile, after {cp['ahead_seconds']:.1f}s on a thread beside it "
                      f"(waited {cp['waited']:.1f}s)" if cp.get("in_first_compile") else "")
+            if cp.get("ahead_error"):
+                ahead = f", at the end of the first compile (the thread's search beside it failed: {cp['ahead_error']})"
             lines.append(f"{r['mode']}: cuDNN's search for {cp['convolutions']} convolutions before the first "
                          f"step took {cp['seconds']:.1f}s{ahead} (runtime.prime_cudnn)")
         fl = r.get("autotune_flush")

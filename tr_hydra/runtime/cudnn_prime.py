@@ -175,6 +175,7 @@ class PrimeReport:
     # inside the first variant's warm-up), after a thread's search beside that compile:
     ahead_seconds: float = 0.0  # the thread's search
     waited: float = 0.0     # BeforeFirstRun: how long the main thread then waited for the thread
+    ahead_error: str = ""   # BeforeFirstRun: why the thread's search failed ("" if it did not)
 
 
 def prime(calls: list[ConvCall], device: torch.device) -> PrimeReport:
@@ -232,17 +233,23 @@ class BeforeFirstRun:
         self._waited = 0.0
         self._done = False
         self._owner = threading.get_ident()
+        self._ahead_error = ""
+        # a new thread starts on device 0 and ``torch.cuda.set_device`` needs an index, which
+        # ``torch.device("cuda")`` does not carry: take the owner's
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
 
         def ahead():
             try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)  # a thread has its own current device
+                if index is not None:
+                    torch.cuda.set_device(index)
                     with torch.cuda.stream(stream):
                         self._ahead = prime(calls, device)
                 else:
                     self._ahead = prime(calls, device)
-            except Exception:  # noqa: BLE001 - only a head start: the main search runs regardless
+            except Exception as e:  # noqa: BLE001 - only a head start: the main search runs regardless
                 self._ahead = None
+                self._ahead_error = f"{type(e).__name__}: {e}".splitlines()[0]
         self._thread = threading.Thread(target=ahead, name="tr_hydra-cudnn-ahead", daemon=True)
         self._cb = self._reg(self._on_compile_end)
         self._thread.start()
@@ -272,4 +279,5 @@ class BeforeFirstRun:
             self.report.in_first_compile = True
             self.report.ahead_seconds = self._ahead.seconds if self._ahead is not None else 0.0
             self.report.waited = self._waited
+            self.report.ahead_error = self._ahead_error
         return self.report

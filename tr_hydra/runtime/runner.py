@@ -302,6 +302,9 @@ class Trainer:
         if rep.in_first_compile:
             where = (f"at the end of the first compile, after a thread's search beside it "
                      f"({rep.ahead_seconds:.1f}s, waited {rep.waited:.1f}s),")
+            if rep.ahead_error:
+                where = (f"at the end of the first compile (the thread's search beside it failed: "
+                         f"{rep.ahead_error}),")
         self.log(f"runtime.prime_cudnn: cuDNN searched {rep.calls} convolutions {where} in {rep.seconds:.1f}s")
         self.cudnn_prime = rep
         return rep
