@@ -88,11 +88,14 @@ def test_trainer_warm_up_finds_every_plan_primed(tmp_path, compile):
     assert search_allocations(tr2.capture)
 
 
-def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_before_any_step(tmp_path):
+def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_before_any_step(tmp_path, monkeypatch):
     """No explicit priming: capture() starts the search on a thread while the first variant
     compiles, and the main thread searches at the end of that compile. Every search allocation
     (either thread's) comes before the compiled step's first allocation: none in a warm-up step."""
     batch = 18  # shapes of their own: cuDNN's cache is per process
+    from tr_hydra.runtime import runner
+    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())  # other tests' trainers: a compile must come
+    torch._dynamo.reset()
     pc = small_config(device="cuda", compile="inductor", amp=True, batch=batch, val_batch=batch,
                       train_size=3 * batch + 7, val_size=batch + 1, lowres_epochs=1, max_steps=2)
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
@@ -118,3 +121,22 @@ def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_befor
     assert rep is not None and rep.in_first_compile and rep.calls > 10
     assert rep.ahead_error == "" and rep.ahead_seconds > 0, rep
     tr.fit()
+
+
+def test_with_no_compile_in_the_warm_up_the_search_thread_ends_before_the_capture(tmp_path, monkeypatch):
+    """A second trainer of the same model and shapes in one process: Dynamo may reuse the first
+    one's compiled forward, so no compile comes to end the search ahead. Forced to search ahead
+    anyway (the guard against it cleared), its thread must be stopped before the first capture
+    (a capture must see no other thread's work: this failed the capture before)."""
+    from tr_hydra.runtime import runner
+    batch = 22
+    pc = small_config(device="cuda", compile="inductor", amp=True, batch=batch, val_batch=batch,
+                      train_size=3 * batch + 1, val_size=batch + 1, lowres_epochs=1, max_steps=2)
+    Trainer(pc, tmp_path / "a", log=lambda *_: None).fit()
+    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
+    logs = []
+    tr = Trainer(pc, tmp_path / "b", log=logs.append)
+    res = tr.fit()  # captures, then trains
+    assert res.capture_seconds > 0 and len(tr.graphs.train) == 2 * 4, logs
+    if tr.cudnn_prime is None:  # Dynamo reused the compile
+        assert any("no compile came in the warm-up" in str(ln) for ln in logs), logs

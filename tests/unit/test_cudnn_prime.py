@@ -154,7 +154,7 @@ def _slow_prime(monkeypatch, seconds=0.8):
     import time
     runs = []
 
-    def prime(calls, device):
+    def prime(calls, device, stop=None):
         time.sleep(seconds)
         runs.append((threading.get_ident(), time.perf_counter()))
         return cp.PrimeReport(len(calls), seconds, 0)
@@ -249,7 +249,7 @@ def test_search_ahead_failure_on_the_thread_is_reported_and_the_main_search_stil
     torch._dynamo.reset()
     owner = threading.get_ident()
 
-    def prime(calls, device):
+    def prime(calls, device, stop=None):
         if threading.get_ident() != owner:
             raise ValueError("Expected a torch.device with a specified index\nsecond line")
         return cp.PrimeReport(len(calls), 0.2, 0)
@@ -260,3 +260,56 @@ def test_search_ahead_failure_on_the_thread_is_reported_and_the_main_search_stil
     rep = job.close()
     assert rep.seconds == 0.2 and rep.ahead_seconds == 0.0
     assert rep.ahead_error == "ValueError: Expected a torch.device with a specified index"
+
+
+def test_prime_stops_between_convolutions_when_told():
+    import threading
+    calls = cp.record(nn.Conv2d(3, 4, 3), 2, 3, 8, torch.float32, True, channels_last=False)
+    stop = threading.Event()
+    stop.set()
+    assert cp.prime(calls, torch.device("cpu"), stop=stop).calls == 0
+    assert cp.prime(calls, torch.device("cpu")).calls == len(cp.unique(calls)) > 1
+
+
+def test_closing_the_search_ahead_with_no_compile_stops_its_thread(monkeypatch):
+    """When no compile comes (Dynamo reused one), the job is closed before the first CUDA graph
+    capture: its thread must end there, after the convolution in progress, not run on into the
+    capture."""
+    import time
+    torch._dynamo.reset()
+    ran = []
+
+    def slow_run(self, device):
+        ran.append(time.perf_counter())
+        time.sleep(0.1)
+    monkeypatch.setattr(cp.ConvCall, "run", slow_run)
+    calls = [cp.ConvCall(False, cp.TensorSpec((1, c, 4, 4), (16 * c, 16, 4, 1), torch.float32),
+                         cp.TensorSpec((c, c, 1, 1), (c, 1, 1, 1), torch.float32), (1, 1), (0, 0), (1, 1),
+                         False, (0, 0), 1) for c in range(1, 41)]  # 40 distinct: 4 s in all
+    job = cp.BeforeFirstRun(calls, torch.device("cpu"), None, lambda: pytest.fail("no compile, no main search"))
+    time.sleep(0.25)
+    t = time.perf_counter()
+    assert job.close() is None
+    assert time.perf_counter() - t < 0.5 and not job._thread.is_alive()
+    assert 1 <= len(ran) <= 5, len(ran)
+
+
+def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypatch, tmp_path):
+    """Dynamo may reuse the first trainer's compiled forward (it guards on the module's
+    structure), so a later trainer of the same model in the process (a sweep's next job) gets
+    no compile to search at the end of: it searches before its warm-up instead."""
+    import types
+    from tests.helpers import small_config
+    from tr_hydra.runtime import graphs, runner
+    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
+    monkeypatch.setattr(cp, "searches", lambda device: True)
+    monkeypatch.setattr(graphs, "capture_stream", lambda device: types.SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    jobs = []
+    for i in range(2):
+        tr = runner.Trainer(small_config(), run_dir=tmp_path / str(i), log=lambda *_: None, telemetry=False,
+                            source=False)
+        tr.inductor = True  # as on CUDA
+        jobs.append(tr._search_ahead())
+    assert isinstance(jobs[0], cp.BeforeFirstRun) and jobs[1] is None
+    jobs[0].close()

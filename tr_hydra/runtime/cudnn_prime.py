@@ -178,19 +178,23 @@ class PrimeReport:
     ahead_error: str = ""   # BeforeFirstRun: why the thread's search failed ("" if it did not)
 
 
-def prime(calls: list[ConvCall], device: torch.device) -> PrimeReport:
+def prime(calls: list[ConvCall], device: torch.device, stop: threading.Event | None = None) -> PrimeReport:
     """Run each distinct call once on ``device`` (on the current stream), tensors freed after
-    each, so that cuDNN's search for it is done and its plan cached."""
+    each, so that cuDNN's search for it is done and its plan cached; ``stop``, once set, ends it
+    after the call in progress."""
     t0 = time.perf_counter()
     todo = unique(calls)
-    largest = 0
+    largest = done = 0
     for c in todo:
+        if stop is not None and stop.is_set():
+            break
         specs = [c.x, c.w, c.grad_out, c.bias]
         largest = max(largest, sum(s.nbytes for s in specs if s is not None))
         c.run(device)
+        done += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return PrimeReport(len(todo), time.perf_counter() - t0, largest)
+    return PrimeReport(done, time.perf_counter() - t0, largest)
 
 
 def searches(device: torch.device) -> bool:
@@ -234,6 +238,7 @@ class BeforeFirstRun:
         self._done = False
         self._owner = threading.get_ident()
         self._ahead_error = ""
+        self._stop = threading.Event()
         # a new thread starts on device 0 and ``torch.cuda.set_device`` needs an index, which
         # ``torch.device("cuda")`` does not carry: take the owner's
         index = (device.index if device.index is not None else torch.cuda.current_device()) \
@@ -244,9 +249,9 @@ class BeforeFirstRun:
                 if index is not None:
                     torch.cuda.set_device(index)
                     with torch.cuda.stream(stream):
-                        self._ahead = prime(calls, device)
+                        self._ahead = prime(calls, device, stop=self._stop)
                 else:
-                    self._ahead = prime(calls, device)
+                    self._ahead = prime(calls, device, stop=self._stop)
             except Exception as e:  # noqa: BLE001 - only a head start: the main search runs regardless
                 self._ahead = None
                 self._ahead_error = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -267,10 +272,14 @@ class BeforeFirstRun:
             self._error = e
 
     def close(self) -> PrimeReport | None:
+        """Ends the job: no compile-end search after this, and the thread is stopped (after the
+        convolution in progress) and joined, so none of its device work overlaps what comes
+        next (a CUDA graph capture must see no other thread's work)."""
         try:
             self._rem(self._cb)
         except ValueError:  # already gone
             pass
+        self._stop.set()
         self._thread.join()
         if self._error is not None:
             e, self._error = self._error, None

@@ -38,13 +38,15 @@ class CudaGraphs:
         self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
-                before_variant=None, next_variant=None) -> None:
+                before_variant=None, next_variant=None, before_capture=None) -> None:
         """Warm up eagerly on a side stream (cuDNN autotuning, lazy init, Inductor compiles), then
         capture. Warm-up changes weights and statistics, so the arena is restored afterwards.
         ``before_variant(name)`` runs before a variant's first warm-up step (the parallel
         precompiler waits there for that variant's compile). ``next_variant(names)`` picks which
         of the variants not yet warmed up goes next (the precompiler: one whose compile is done);
-        without it, training variants first, in order, then validation ones."""
+        without it, training variants first, in order, then validation ones. ``before_capture()``
+        runs once every variant is warmed up, before the first graph is captured (a capture must
+        see no other thread's device work: runtime.prime_cudnn's search thread is ended there)."""
         ready = before_variant or (lambda _name: None)
         pick = next_variant or (lambda names: names[0])
         t0 = time.perf_counter()
@@ -73,6 +75,8 @@ class CudaGraphs:
                 side.synchronize()
                 self.warmup_seconds[v] = time.perf_counter() - t
         torch.cuda.current_stream().wait_stream(side)
+        if before_capture is not None:
+            before_capture()
         torch.cuda.synchronize()
         # where the peak comes from: warm-up (eager side stream, autotuning) or the capture
         self.peak_after_warmup = torch.cuda.max_memory_allocated()

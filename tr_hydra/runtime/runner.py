@@ -94,6 +94,10 @@ class TrainResult:
     final_path: str | None = None
 
 
+# the model forwards this process has compiled with a search ahead (see Trainer._search_ahead)
+_COMPILED_FORWARDS: set = set()
+
+
 class Trainer:
     def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True,
                  source: bool = True):
@@ -228,20 +232,17 @@ class Trainer:
             ahead = self._search_ahead()
             if ahead is None and self.cudnn_prime is None:
                 self.prime_cudnn()
+
+            def settle() -> None:  # before the first capture, which must see no other thread's work
+                nonlocal ahead
+                if ahead is not None:
+                    job, ahead = ahead, None
+                    self._settle_search_ahead(job)
             with self._autotune_flush() as flush:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
                                     before_variant=pre.wait if pre else None,
-                                    next_variant=pre.next_ready if pre else None)
-            if ahead is not None:
-                job, ahead = ahead, None
-                try:
-                    self._primed(job.close())
-                except torch.cuda.OutOfMemoryError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the steps searched for themselves instead
-                    why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-                    self.log(f"runtime.prime_cudnn: the search at the end of the first compile failed "
-                             f"({why}); cuDNN searched inside the first steps instead")
+                                    next_variant=pre.next_ready if pre else None,
+                                    before_capture=settle)
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
@@ -309,6 +310,21 @@ class Trainer:
         self.cudnn_prime = rep
         return rep
 
+    def _settle_search_ahead(self, job) -> None:
+        """End the search ahead (its thread stopped and joined) and report it."""
+        try:
+            rep = job.close()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the steps searched for themselves instead
+            why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            self.log(f"runtime.prime_cudnn: the search at the end of the first compile failed "
+                     f"({why}); cuDNN searched inside the first steps instead")
+            return
+        if rep is None:
+            self.log("runtime.prime_cudnn: no compile came in the warm-up; cuDNN searched inside the first steps")
+        self._primed(rep)
+
     def _search_ahead(self):
         """With Inductor: ``cudnn_prime.BeforeFirstRun`` for every variant's convolutions, or None
         (nothing to search, searched already, no compile-end callback in this PyTorch)."""
@@ -316,6 +332,13 @@ class Trainer:
         from tr_hydra.runtime.graphs import capture_stream
         if self.cudnn_prime is not None or not self.inductor or not cudnn_prime.can_search_ahead():
             return None
+        # the main search waits for a compile: only where one is sure to come. Dynamo keeps a
+        # compiled forward per code object, guarded on the module's structure, so a later trainer
+        # of the same model in this process (a sweep's next job) may reuse it and compile nothing
+        code = getattr(type(self.model).forward, "__code__", None)
+        if code is None or code in _COMPILED_FORWARDS:
+            return None
+        _COMPILED_FORWARDS.add(code)
         calls = self._prime_calls()  # on the meta device, before Dynamo touches the model
         if calls is None:
             return None
