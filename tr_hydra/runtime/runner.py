@@ -157,7 +157,8 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             from tr_hydra.runtime.recompute import fresh_compile_for
-            fresh_compile_for(pc.runtime.recompute)
+            if fresh_compile_for(pc.runtime.recompute):  # Dynamo's compiled code cleared: a compile will come
+                _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False)
             if pc.runtime.recompute != "none":
                 from tr_hydra.runtime.recompute import with_recompute
