@@ -319,7 +319,9 @@ def mix_tr(pc, device, repeat: int) -> dict:
     t0 = time.perf_counter()
     tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *_: None, telemetry=False)
     built = time.perf_counter() - t0
+    t_cap = time.perf_counter()
     tr.capture()
+    captured = time.perf_counter() - t_cap
     tr.run_steps([(v.name, 0, v.batch) for v in pc.variants if v.train], "train")
 
     def run_val(fn):
@@ -361,13 +363,26 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # where the time to the first steps went: building the trainer (model, plan, arena),
             # cuDNN's search, the warm-ups (compiles, or waiting for them), capturing the graphs
             # (the search done at the end of the first compile is part of that warm-up)
-            "ready_seconds": {"trainer": built,
-                              "prime_cudnn": (tr.cudnn_prime.seconds if tr.cudnn_prime
-                                              and not tr.cudnn_prime.in_first_compile else 0.0),
-                              "warmup": sum(g.warmup_seconds.values()) if g is not None else 0.0,
-                              "graphs": g.graph_seconds if g is not None else 0.0},
+            "ready_seconds": _ready_parts(tr, built, captured, ready),
             "cudnn_prime": _prime_json(tr.cudnn_prime) if tr.cudnn_prime else None,
             "precompile": tr.precompile_summary}
+
+
+def _ready_parts(tr, built: float, captured: float, ready: float) -> dict:
+    """The time to the first step of every variant, split; the parts add up to it."""
+    g = tr.graphs
+    parts = {"trainer": built,
+             "start_children": tr.capture_phases.get("start_children", 0.0),
+             "record_convs": tr.capture_phases.get("record_convs", 0.0),
+             "prime_cudnn": (tr.cudnn_prime.seconds if tr.cudnn_prime
+                             and not tr.cudnn_prime.in_first_compile else 0.0),
+             "warmup": sum(g.warmup_seconds.values()) if g is not None else 0.0,
+             "graphs": g.graph_seconds if g is not None else 0.0}
+    # the rest of the capture (the arena's snapshot and restore, waiting on the device), then
+    # the first replayed step of each variant
+    parts["capture_other"] = max(0.0, captured - sum(v for k, v in parts.items() if k != "trainer"))
+    parts["first_steps"] = max(0.0, ready - built - captured)
+    return parts
 
 
 def _prime_json(rep) -> dict:
@@ -468,6 +483,11 @@ def mix_table(mix: dict) -> str:
     for m, r in mix["modes"].items():
         lines.append(f"{m:<24} {r['img_per_sec']:>9,.0f} {r['first_step_of_all_variants_seconds']:>10.1f} "
                      + " ".join(f"{r['step_ms_by_variant'][n]:>18.2f}" for n in names))
+    for m, r in mix["modes"].items():
+        parts = r.get("ready_seconds")
+        if parts:
+            lines.append(f"{m}: first step of every variant after {r['first_step_of_all_variants_seconds']:.1f}s: "
+                         + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in parts.items()))
     return "\n".join(lines)
 
 

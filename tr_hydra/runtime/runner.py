@@ -174,6 +174,9 @@ class Trainer:
         self.source = self._make_source() if source else None  # no source: precompile children
         self.graphs = None
         self.cudnn_prime = None  # prime_cudnn's report
+        # seconds of the capture's own steps: starting the parallel compiles, recording the
+        # convolutions on the meta device (the warm-ups and graphs are in ``self.graphs``)
+        self.capture_phases: dict[str, float] = {}
         self.autotune_flush = None  # runtime.autotune_flush's report (capture)
         self.steps_per_epoch = len(epoch_schedule(pc, pc.lowres_epochs))  # full-res epoch length
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
@@ -224,7 +227,9 @@ class Trainer:
         self.graphs = CudaGraphs(self.ex)
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
+        t = time.perf_counter()
         pre = self._precompiler(train_v, val_v)
+        self.capture_phases["start_children"] = time.perf_counter() - t
         ahead = None
         try:
             # cuDNN's search while the children compile; with Inductor, started on a thread
@@ -355,6 +360,7 @@ class Trainer:
             return None
         dt = self.arena.half_dtype if pc.amp else torch.float32
         calls = []
+        t = time.perf_counter()
         try:
             for v in pc.variants:
                 calls += cudnn_prime.record(self.model, v.batch, pc.data.channels, v.res, dt, v.train,
@@ -364,6 +370,8 @@ class Trainer:
             self.log(f"runtime.prime_cudnn: the model does not run on the meta device ({why}); "
                      f"cuDNN searches inside the first steps instead")
             return None
+        finally:
+            self.capture_phases["record_convs"] = self.capture_phases.get("record_convs", 0.0) + time.perf_counter() - t
         return calls
 
     def _precompiler(self, train_v: list[str], val_v: list[str]):
