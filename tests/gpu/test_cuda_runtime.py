@@ -281,3 +281,26 @@ def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(t
         checked += 1
         assert ((got[k].double() - w.double()).norm() / change).item() < 5e-2, k
     assert checked > 50
+
+
+def test_dynamic_batch_shares_one_graph_per_split_and_resolution(tmp_path, monkeypatch):
+    """runtime.dynamic_batch with parallel compiles: three graphs for the six variants (training
+    at two resolutions, validation), a child for each graph after the first that also steps
+    the variants sharing it; every variant is captured and the run trains."""
+    import dataclasses
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    torch._dynamo.reset()
+    pc = small_config(device="cuda", compile="inductor", amp=True, train_size=360, batch=256, val_size=336,
+                      val_batch=256, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, dynamic_batch=True, precompile=5))
+    logs = []
+    tr = Trainer(pc, tmp_path / "run", log=logs.append)
+    res = tr.fit()
+    assert any("6 variants share 3 compiled graphs" in str(ln) for ln in logs), logs
+    s = tr.precompile_summary
+    assert sorted(s) == ["train_lowres", "val_base"] and all(r["ok"] for r in s.values()), s
+    assert s["train_lowres"]["variants"] == ["train_lowres", "train_lowres_last"], s
+    assert len(tr.graphs.train) == 2 * 4 and len(tr.graphs.val) == 2 * 2
+    assert len(_debug_get_cache_entry_list(type(tr.model).forward.__code__)) == 3
+    assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN

@@ -3,6 +3,8 @@ children run the eager step; on the GPU, tests/gpu checks that the main process 
 Inductor's compiled code from the cache)."""
 from __future__ import annotations
 
+import pytest
+
 from tr_hydra.config.plan_config import plan_config_from
 from tr_hydra.runtime import precompile as pcm
 from tr_hydra.cli._common import compose
@@ -101,7 +103,7 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0):
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None):
             seen.update(order=order, n=n)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
@@ -164,3 +166,45 @@ def test_next_ready_picks_a_variant_whose_compile_is_done(tmp_path):
         assert time.perf_counter() - t < 10 and slow.ok is None
     finally:
         pre.close()
+
+
+def test_with_dynamic_batch_only_one_variant_per_graph_goes_to_a_child_and_the_rest_follow_it(tmp_path):
+    """runtime.dynamic_batch: the variants of one split and resolution share a graph, compiled
+    once (a child each for the graphs after the first); a variant that shares one is warmed up
+    only after the variant that compiles it, never in parallel with it."""
+    import dataclasses
+    from tr_hydra.runtime.runner import Trainer, warm_up_order
+    pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32, lowres_epochs=1, res=16, lowres_res=12)
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, dynamic_batch=True))
+    tr = Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False, source=False)
+    assert tr.graph_of() == {v.name: v.name for v in pc.variants}  # no Inductor: nothing shared
+    tr.inductor = True
+    shared = tr.graph_of()
+    assert shared == {"train_base": "train_base", "train_last": "train_base", "train_lowres": "train_lowres",
+                      "train_lowres_last": "train_lowres", "val_base": "val_base"}, shared
+    offered = []
+
+    class Pre:  # the precompiler: the child of train_lowres still running, every other one done
+        def next_ready(self, names):
+            offered.append(list(names))
+            return next(n for n in names if n != "train_lowres")
+    pick = warm_up_order(shared, Pre())
+    left = ["train_last", "train_lowres", "train_lowres_last", "val_base"]  # train_base is done
+    assert pick(left) == "train_last" and offered[-1] == ["train_last", "train_lowres", "val_base"]
+    left = ["train_lowres", "train_lowres_last"]
+    with pytest.raises(StopIteration):  # only train_lowres is offered: its sibling waits for it
+        pick(left)
+    assert offered[-1] == ["train_lowres"]
+    assert warm_up_order(shared)(["train_lowres_last", "train_lowres"]) == "train_lowres"  # no children
+
+
+def test_a_child_steps_the_variants_that_share_its_graph_after_its_own():
+    pc = small_config(train_size=80, val_size=40, val_batch=32)
+    assert [v.name for v in pc.variants if not v.train] == ["val_base", "val_last"]
+    pre = pcm.Precompiler(pc, [("val_base", False)], workers=1, log=lambda *_: None, also={"val_base": ["val_last"]})
+    try:
+        pre.wait("val_base")
+        s = pre.summary()
+    finally:
+        pre.close()
+    assert s["val_base"]["ok"] and s["val_base"]["variants"] == ["val_base", "val_last"], s

@@ -349,3 +349,30 @@ def test_inductor_step_on_cpu_trains_as_the_eager_step(tmp_path):
         torch.testing.assert_close(out["inductor"][k], ref, rtol=1e-5, atol=1e-5, msg=k)
     # the statistics the compiled graph updates in place moved from their start (zero means)
     assert any(k.endswith("running_mean") and v.abs().max() > 0 for k, v in out["inductor"].items())
+
+
+def test_dynamic_batch_compiles_one_graph_per_split_and_trains_as_the_eager_step(tmp_path):
+    """runtime.dynamic_batch: the variants of one split and resolution (256 and its last batch
+    of 104; validation's 256 and 80) share one compiled forward, the batch a symbol; the steps
+    end where the eager steps do. Without it, each variant compiles its own."""
+    import dataclasses
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    out, graphs = {}, {}
+    for mode, dyn in (("none", False), ("inductor", False), ("inductor", True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        pc = small_config(compile=mode, train_size=360, batch=256, val_size=336, val_batch=256, epochs=1)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, dynamic_batch=dyn))
+        assert sorted((v.batch, v.train) for v in pc.variants) == [(80, False), (104, True), (256, False),
+                                                                  (256, True)]
+        logs = []
+        tr = Trainer(pc, tmp_path / f"{mode}{dyn}", log=logs.append)
+        tr.fit()
+        out[(mode, dyn)] = tr.final_state_dict()
+        graphs[(mode, dyn)] = len(_debug_get_cache_entry_list(type(tr.model).forward.__code__))
+        if dyn:  # which variants share a graph
+            assert tr.graph_of() == {"train_base": "train_base", "train_last": "train_base",
+                                     "val_base": "val_base", "val_last": "val_base"}
+    assert graphs[("inductor", False)] == 4 and graphs[("inductor", True)] == 2, graphs
+    for k, ref in out[("none", False)].items():
+        torch.testing.assert_close(out[("inductor", True)][k], ref, rtol=1e-4, atol=1e-4, msg=k)

@@ -98,6 +98,7 @@ class RuntimeSpec:
     recompute: str = "none"
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
+    dynamic_batch: bool = False
 
 
 @dataclass(frozen=True)

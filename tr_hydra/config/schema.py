@@ -193,6 +193,7 @@ class RuntimeConfig:
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
+    dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
 
 
 @dataclass

@@ -118,6 +118,9 @@ class StepExecutor:
         self.forward_fn = forward if forward is not None else model
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
         self._loss_fn = torch.compile(loss_and_metrics, dynamic=False) if compile_loss else loss_and_metrics
+        # runtime.dynamic_batch: the compiled forward sees the batch size as a symbol, so the
+        # variants of one split and resolution share one graph
+        self.dynamic_batch = forward is not None and forward is not model and compiled.config.runtime.dynamic_batch
         from tr_hydra.runtime.distributed import SINGLE
         self.dist = dist_ctx or SINGLE
         self.device = arena.device
@@ -421,7 +424,11 @@ class StepExecutor:
     # ------------------------------------------------------------------ compute nodes
     def _model_input(self, ctx: StepContext):
         img, lab = self.input_views(ctx.variant, ctx.buffer)
-        return img.permute(0, 3, 1, 2), lab
+        x = img.permute(0, 3, 1, 2)
+        if self.dynamic_batch:  # a batch of 1 stays static (Dynamo specializes sizes 0 and 1)
+            import torch._dynamo
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        return x, lab
 
     def _autocast(self):
         if not self.amp:

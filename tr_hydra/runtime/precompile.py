@@ -63,6 +63,7 @@ def caches_enabled() -> bool:
 class _Child:
     name: str
     train: bool
+    also: tuple[str, ...] = ()  # variants stepped after it in the same child (runtime.dynamic_batch)
     proc: subprocess.Popen | None = None
     log_path: str = ""
     started: float = 0.0
@@ -76,11 +77,15 @@ class Precompiler:
     """Runs one child per variant (``workers`` at a time, in the order the warm-up needs them).
     ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
 
-    def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0):
+    def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
+                 also: dict[str, list[str]] | None = None):
+        """``also``: for a variant, others of the same split that its child steps after it
+        (``runtime.dynamic_batch``: they share its graph, or, where Dynamo's guards do not
+        admit their batch size, compile their own in the child rather than here)."""
         self.log = log
         self.device_index = device_index
         self.workers = workers
-        self.children = [_Child(n, t) for n, t in variants]
+        self.children = [_Child(n, t, tuple((also or {}).get(n, ()))) for n, t in variants]
         self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
         self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
         with open(self._pc_path, "wb") as f:
@@ -101,7 +106,7 @@ class Precompiler:
             try:
                 with open(c.log_path, "w") as out:
                     c.proc = subprocess.Popen(
-                        [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, c.name,
+                        [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, ",".join((c.name,) + c.also),
                          "train" if c.train else "val", str(self.device_index)],
                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
             except OSError as e:  # no process to be had: this variant compiles in the main process
@@ -207,8 +212,9 @@ def _counters() -> dict:
 
 
 def _child_main(argv: list[str]) -> int:
-    """One variant's step, once, in a fresh process: the compiles land in the shared caches."""
-    path, name, split, index = argv
+    """One variant's step, once, in a fresh process (or several variants', comma-separated, one
+    after another): the compiles land in the shared caches."""
+    path, names, split, index = argv
     t0 = time.perf_counter()
     with open(path, "rb") as f:
         pc = pickle.load(f)
@@ -227,16 +233,17 @@ def _child_main(argv: list[str]) -> int:
         # cuDNN's algorithm search is the main process's to do (it times on the shared GPU); the
         # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
         torch.backends.cudnn.benchmark = False
-        if split == "train":
-            tr.ex.train_step(name, "A")
-        else:
-            tr.model.eval()
-            with tr.ex.folded():
-                tr.ex.val_step(name, "A")
+        for name in names.split(","):
+            if split == "train":
+                tr.ex.train_step(name, "A")
+            else:
+                tr.model.eval()
+                with tr.ex.folded():
+                    tr.ex.val_step(name, "A")
         if tr.device.type == "cuda":
             torch.cuda.synchronize(tr.device)
     t_end = time.perf_counter()
-    out = dict(_counters(), import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
+    out = dict(_counters(), variants=names.split(","), import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
                step_s=round(t_end - t_trainer, 2), phases_s=_phases(), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0

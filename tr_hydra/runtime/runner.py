@@ -94,6 +94,17 @@ class TrainResult:
     final_path: str | None = None
 
 
+def warm_up_order(shared: dict[str, str], pre=None):
+    """The warm-up's choice of the next variant among those left (``names``): a variant that
+    shares another's compiled graph (``shared``: ``Trainer.graph_of``) only after that one, so
+    Dynamo reuses the graph rather than compiling it again; among the rest, with parallel
+    compiles (``pre``), the first one ready, else the first."""
+    def pick(names: list[str]) -> str:
+        ok = [n for n in names if shared.get(n, n) == n or shared[n] not in names]
+        return pre.next_ready(ok) if pre is not None else ok[0]
+    return pick
+
+
 # the model forwards this process has compiled with a search ahead (see Trainer._search_ahead)
 _COMPILED_FORWARDS: set = set()
 
@@ -228,7 +239,15 @@ class Trainer:
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
         t = time.perf_counter()
-        pre = self._precompiler(train_v, val_v)
+        shared = self.graph_of()  # runtime.dynamic_batch: a compile per group, not per variant
+        if len(set(shared.values())) < len(shared):
+            groups = {}
+            for v, g in shared.items():
+                groups.setdefault(g, []).append(v)
+            self.log(f"runtime.dynamic_batch: {len(shared)} variants share {len(groups)} compiled graphs ("
+                     + "; ".join(", ".join(vs) for vs in groups.values()) + ")")
+        pre = self._precompiler([v for v in train_v if shared[v] == v], [v for v in val_v if shared[v] == v],
+                                also={g: [v for v in shared if shared[v] == g and v != g] for g in shared.values()})
         self.capture_phases["start_children"] = time.perf_counter() - t
         ahead = None
         try:
@@ -247,8 +266,7 @@ class Trainer:
             with self._autotune_flush() as flush:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
                                     before_variant=pre.wait if pre else None,
-                                    next_variant=pre.next_ready if pre else None,
-                                    before_capture=settle)
+                                    next_variant=warm_up_order(shared, pre), before_capture=settle)
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
@@ -316,6 +334,17 @@ class Trainer:
         self.cudnn_prime = rep
         return rep
 
+    def graph_of(self) -> dict[str, str]:
+        """Each variant's compiled graph, named by the first variant that compiles it: its own,
+        or with ``runtime.dynamic_batch`` and Inductor the first of its split and resolution
+        (a batch of 1 keeps its own: Dynamo specializes it)."""
+        first: dict = {}
+        out = {}
+        for v in self.pc.variants:
+            key = (v.train, v.res) if self.inductor and self.pc.runtime.dynamic_batch and v.batch > 1 else v.name
+            out[v.name] = first.setdefault(key, v.name)
+        return out
+
     def _settle_search_ahead(self, job) -> None:
         """End the search ahead (its thread stopped and joined) and report it."""
         try:
@@ -374,7 +403,7 @@ class Trainer:
             self.capture_phases["record_convs"] = self.capture_phases.get("record_convs", 0.0) + time.perf_counter() - t
         return calls
 
-    def _precompiler(self, train_v: list[str], val_v: list[str]):
+    def _precompiler(self, train_v: list[str], val_v: list[str], also: dict[str, list[str]] | None = None):
         """Parallel compiles of every variant after the first (``runtime.precompile``; the first
         too with ``runtime.precompile_first``, the main process then loading all of them, Triton's
         autotuning results included, from the caches), or None."""
@@ -398,7 +427,7 @@ class Trainer:
         here = "" if first else f"{(train_v + val_v)[0]} here, "
         self.log(f"compiling {len(every)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
-        return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0)
+        return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also)
 
     def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
                   on_step=None, epoch: int = 0) -> int:
