@@ -440,3 +440,35 @@ def test_bf16_runs_keep_dalis_fp16_in_the_input_buffer(tmp_path):
     assert input_dtype(dataclasses.replace(pc, amp_dtype="fp16"), torch.float16) is None
     assert input_dtype(small_config(amp=True), torch.bfloat16) is None
     assert input_dtype(dataclasses.replace(pc, amp=False), torch.bfloat16) is None
+
+
+def test_synthetic_banks_built_ahead_hold_the_same_values_and_are_not_made_twice(monkeypatch, tmp_path):
+    """build_ahead makes the banks on a thread (while the steps compile); the batches are the
+    same bit for bit as banks made at first use, and a bank made ahead is not made again."""
+    import time
+    from tr_hydra.data import synthetic
+    keys = [("train", 16, 8), ("val", 12, 6)]
+    inline = synthetic.SyntheticSource(10, 3, 5, "cpu", torch.bfloat16, 40, 20, channel_pad=4)
+    ahead = synthetic.SyntheticSource(10, 3, 5, "cpu", torch.bfloat16, 40, 20, channel_pad=4)
+    made = []
+    real = synthetic.SyntheticSource._make
+
+    def slow_make(self, *key):
+        made.append((self is ahead, key))
+        time.sleep(0.2)  # the first batch() below comes while the thread is still making
+        return real(self, *key)
+    monkeypatch.setattr(synthetic.SyntheticSource, "_make", slow_make)
+    ahead.build_ahead(keys + keys)
+    for split, res, batch in keys:
+        for i in range(3):
+            a = ahead.batch(split, i, batch, batch, res)
+            b = inline.batch(split, i, batch, batch, res)
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert [k for mine, k in made if mine] == keys  # each once, on the thread
+    assert not ahead._thread.is_alive()
+    # the trainer asks for every variant's bank ahead, keyed as its steps will ask
+    from tr_hydra.runtime.runner import Trainer
+    monkeypatch.setattr(synthetic.SyntheticSource, "_make", real)
+    pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32, lowres_epochs=1, res=16, lowres_res=12)
+    tr = Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)
+    assert sorted(tr.source._ahead) == [("train", 12, 32), ("train", 16, 32), ("val", 16, 32)]

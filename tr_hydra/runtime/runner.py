@@ -209,8 +209,11 @@ class Trainer:
             # on CUDA the bank matches the input buffer's padded channels, so a batch's copy into
             # it is one contiguous host-to-device copy (a strided one would need a device temporary)
             pad = self.compiled.plan["input_A.data"].strides[2] if self.device.type == "cuda" else 0
-            return SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed + 1009 * self.dist.rank,
-                                   self.device, dt, pc.train_size, pc.val_size, channel_pad=pad)
+            src = SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed + 1009 * self.dist.rank,
+                                  self.device, dt, pc.train_size, pc.val_size, channel_pad=pad)
+            # the banks every variant's batches come from, made while the steps compile
+            src.build_ahead([self._request_key(v) for v in pc.variants])
+            return src
         from tr_hydra.data.dali_source import DaliSource
         return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
 
@@ -429,6 +432,14 @@ class Trainer:
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also)
 
+    def _full_batch(self, split: str) -> int:
+        """The batch size a source is asked for in ``split`` (a last batch is a part of one)."""
+        return self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
+
+    def _request_key(self, v) -> tuple[str, int, int]:
+        split = "train" if v.train else "val"
+        return (split, v.res, self._full_batch(split))
+
     def run_steps(self, steps: list[tuple[str, int, int]], split: str, step0: int = 0,
                   on_step=None, epoch: int = 0) -> int:
         """Feed and run ``steps``. Each step is launched first; the host then prepares the next
@@ -436,7 +447,7 @@ class Trainer:
         if not steps:
             return 0
         src = self.source
-        full = self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
+        full = self._full_batch(split)
         def request(s):
             v, i, size = s
             return (split, i, full, size, self.pc.variant(v).res)
