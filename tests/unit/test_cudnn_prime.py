@@ -323,3 +323,23 @@ def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypat
     job = tr._search_ahead()
     assert isinstance(job, cp.BeforeFirstRun)
     job.close()
+
+
+def test_meta_runs_with_batchnorm_memoized_give_the_same_shapes_saved_bytes_and_convolutions():
+    """MetaMemo (BatchNorm's meta kernels run once per distinct call) changes nothing the plan
+    or the search uses: the activation bytes autograd saves, with and without recompute, the
+    logits' shape, and the convolutions recorded, against plain meta runs; and it does skip
+    repeated calls."""
+    from tr_hydra.compiler.analysis import MetaMemo, propagate
+    m = torchvision.models.resnet50(num_classes=10).to("meta").to(memory_format=torch.channels_last)
+    for train in (True, False):
+        for recompute in (False, True):
+            assert (propagate(m, 4, 3, 64, torch.bfloat16, train, recompute, memo=True)
+                    == propagate(m, 4, 3, 64, torch.bfloat16, train, recompute, memo=False))
+        assert (cp.record(m, 4, 3, 64, torch.bfloat16, train, memo=True)
+                == cp.record(m, 4, 3, 64, torch.bfloat16, train, memo=False))
+    memo = MetaMemo()
+    x = torch.empty(4, 3, 64, 64, device="meta")
+    with torch.no_grad(), memo:
+        m.eval()(x)
+    assert memo.hits >= 20  # ResNet-50's 53 BatchNorms have few distinct shapes

@@ -2,12 +2,53 @@
 meta device (no real compute) for every variant."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from tr_hydra.errors import ModelMappingError
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _spec(v):
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, v.storage_offset())
+    if isinstance(v, (list, tuple)):
+        return tuple(_spec(x) for x in v)
+    return v
+
+
+class MetaMemo(TorchDispatchMode):
+    """Meta-device runs of a model, faster: BatchNorm's meta kernels are Python decompositions
+    (about 3 ms a call, most of a ResNet's meta forward), so each distinct call (its tensors'
+    shapes, strides, dtypes and offsets, and its other arguments) is run once and later ones get
+    fresh meta tensors of the same shapes, strides and dtypes. Only for ops that return new
+    tensors (no view or alias of an input) and whose in-place effects (the running statistics)
+    carry no data on the meta device."""
+
+    OPS = ("native_batch_norm.default", "native_batch_norm_backward.default")
+
+    def __init__(self):
+        super().__init__()
+        self._ops = {getattr(getattr(torch.ops.aten, o.split(".")[0]), o.split(".")[1]) for o in self.OPS}
+        self._seen: dict = {}
+        self.hits = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self._ops or not all(a.device.type == "meta" for a in args if isinstance(a, torch.Tensor)):
+            return func(*args, **kwargs)
+        key = (func, _spec(args), _spec(tuple(sorted(kwargs.items()))))
+        outs = self._seen.get(key)
+        if outs is None:
+            res = func(*args, **kwargs)
+            self._seen[key] = tuple(_spec(r) if r is not None else None for r in res)
+            return res
+        self.hits += 1
+        return tuple(None if o is None else torch.empty_strided(o[1], o[2], dtype=o[3], device="meta")
+                     for o in outs)
 
 
 @dataclass(frozen=True)
@@ -120,7 +161,7 @@ SAVED_UNDER_RECOMPUTE = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.Ad
 
 
 def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.dtype,
-              train: bool, recompute: bool = False) -> ShapeReport:
+              train: bool, recompute: bool = False, memo: bool = True) -> ShapeReport:
     """Run the model on the meta device: output shape and bytes autograd saves for backward.
     ``recompute``: count only what is saved when pointwise results (BatchNorm, ReLU, adds) are
     recomputed in the backward: the outputs of ``SAVED_UNDER_RECOMPUTE`` modules."""
@@ -157,12 +198,13 @@ def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torc
 
     was = model.training
     model.train(train)
+    fast = MetaMemo() if memo else contextlib.nullcontext()
     try:
         if train:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), fast:
                 out = model(x.requires_grad_(False))
         else:
-            with torch.no_grad():
+            with torch.no_grad(), fast:
                 out = model(x)
     finally:
         model.train(was)

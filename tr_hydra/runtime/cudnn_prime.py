@@ -27,6 +27,7 @@ backend has compiled the graph and before the compiled code first runs, so the s
 every plan cached and the workspaces still come before any activation."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def record(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.dtype, train: bool,
-           channels_last: bool = True) -> list[ConvCall]:
+           channels_last: bool = True, memo: bool = True) -> list[ConvCall]:
     """The convolutions one step of ``model`` runs on a ``batch`` of ``res``² images, in order
     (duplicates included): found on the meta device, with every parameter and buffer replaced
     by a meta tensor of its shape and layout in the compute ``dtype`` (what autocast gives the
@@ -145,17 +146,19 @@ def record(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.d
         x = x.contiguous(memory_format=torch.channels_last)
     params = [state[n] for n, _ in model.named_parameters()]
     rec = _Recorder()
+    from tr_hydra.compiler.analysis import MetaMemo
+    fast = MetaMemo() if memo else contextlib.nullcontext()  # entered after rec: consulted first
     was = model.training
     model.train(train)
     try:
         if train:
             for p in params:
                 p.requires_grad_(True)
-            with rec:
+            with rec, fast:
                 out = torch.func.functional_call(model, state, (x,), strict=False)
                 torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
         else:
-            with torch.no_grad(), rec:
+            with torch.no_grad(), rec, fast:
                 torch.func.functional_call(model, state, (x,), strict=False)
     finally:
         model.train(was)
