@@ -62,9 +62,20 @@ def _time_steps(step, n: int, repeats: int) -> list[float]:
     return out
 
 
-def pytorch_runner(model_name: str, batch: int, res: int, classes: int, mode: str, device, amp: bool):
+def compile_as(fn, mode: str | None = None, options: dict | None = None, **kw):
+    """``torch.compile(fn, mode=mode)``, with Inductor ``options`` (``runtime.inductor_options``)
+    on top of the mode's own: torch.compile takes a mode or options, not both."""
+    if not options:
+        return torch.compile(fn, mode=mode, **kw) if mode else torch.compile(fn, **kw)
+    from torch._inductor import list_mode_options
+    return torch.compile(fn, options={**(list_mode_options(mode) if mode else {}), **options}, **kw)
+
+
+def pytorch_runner(model_name: str, batch: int, res: int, classes: int, mode: str, device, amp: bool,
+                   options: dict | None = None):
     """The usual best-practice PyTorch step: channels_last, bf16 autocast, fused SGD with momentum,
-    zero_grad(set_to_none=True), cudnn.benchmark."""
+    zero_grad(set_to_none=True), cudnn.benchmark. ``options``: Inductor options for the compiled
+    modes (tr-bench passes tr_hydra's ``runtime.inductor_options``, so both compile alike)."""
     from tr_hydra.models.registry import build_model
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
@@ -85,9 +96,9 @@ def pytorch_runner(model_name: str, batch: int, res: int, classes: int, mode: st
     if mode == "eager":
         f = fwd_bwd
     elif mode == "compile":
-        f = torch.compile(fwd_bwd)
+        f = compile_as(fwd_bwd, None, options)
     elif mode == "reduce-overhead":
-        f = torch.compile(fwd_bwd, mode="reduce-overhead")
+        f = compile_as(fwd_bwd, "reduce-overhead", options)
     else:
         raise ValueError(mode)
 
@@ -213,17 +224,17 @@ def e2e_tr(pc, workdir: str, warm_steps: int = 8) -> dict:
             "epochs_read_ahead": getattr(tr.source, "ahead_used", 0)}
 
 
-def _compiled_step(model_name: str, classes: int, device, amp: bool):
+def _compiled_step(model_name: str, classes: int, device, amp: bool, options: dict | None = None):
     from tr_hydra.models.registry import build_model
     torch.backends.cudnn.benchmark = True
     model = build_model(model_name, classes).to(device).to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5, fused=device.type == "cuda")
 
-    @torch.compile
     def fwd_bwd(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             loss = F.cross_entropy(model(x), y)
         loss.backward()
+    fwd_bwd = compile_as(fwd_bwd, None, options)
 
     def step(x, y):
         fwd_bwd(x, y)
@@ -260,7 +271,7 @@ def _timed_epoch(batches, step, warm_steps: int, t0: float) -> dict:
 
 
 def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
-                           warm_steps: int = 8) -> dict:
+                           warm_steps: int = 8, options: dict | None = None) -> dict:
     """torchvision ImageFolder + DataLoader (a worker per core, pinned memory) with the usual
     ImageNet training transforms; the model under torch.compile, bf16 autocast, fused SGD."""
     import os
@@ -274,7 +285,7 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
     dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=os.cpu_count() or 4,
                                      pin_memory=device.type == "cuda", drop_last=True, persistent_workers=True,
                                      prefetch_factor=4)
-    step = _compiled_step(model_name, len(ds.classes), device, amp)
+    step = _compiled_step(model_name, len(ds.classes), device, amp, options)
 
     def batches():
         for epoch in range(2):  # two epochs; the first warm_steps batches are the warm-up
@@ -285,7 +296,8 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
 
 
 def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
-                     warm_steps: int = 8, hw_decoder_load: float | None = None) -> dict:
+                     warm_steps: int = 8, hw_decoder_load: float | None = None,
+                     options: dict | None = None) -> dict:
     """NVIDIA DALI as its documentation sets it up (file reader, nvJPEG mixed decode of the random
     crop's region only, resize, flip, normalise to fp16 HWC; pipelined asynchronous executor, every core)
     feeding the model under torch.compile, bf16 autocast, fused SGD."""
@@ -313,7 +325,7 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
     p.build()
     it = DALIGenericIterator([p], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                              auto_reset=True)
-    step = _compiled_step(model_name, len(classes), device, amp)
+    step = _compiled_step(model_name, len(classes), device, amp, options)
 
     def batches():
         for epoch in range(2):  # two epochs (auto_reset); the first warm_steps batches are the warm-up

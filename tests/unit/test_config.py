@@ -50,6 +50,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("optimizer.lr=-1", "optimizer.lr"),            # range checked by PlanConfig
     ("variants.batch_size=0", "variants.batch_size"),
     ("variants.batch_size=100000", "training set size"),
+    ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -113,3 +114,28 @@ def test_rerun_of_a_config_saved_before_runtime_stem_keeps_the_plain_conv(tmp_pa
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     got = rerun_overrides(tmp_path)
     assert "runtime.stem='space_to_depth'" in got and "runtime.stem=conv" not in got
+
+
+def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
+    """runtime.inductor_options: names and value types from this PyTorch's Inductor config
+    (nested maps dotted); an unknown name, a wrong type or an option the runtime owns is a
+    one-line ConfigError naming the key."""
+    import torch._inductor.config as ic
+    pc = plan_config_from(compose(["runtime.inductor_options={coordinate_descent_tuning:true,"
+                                   "triton:{persistent_reductions:false},max_autotune_gemm_backends:ATEN}"]))
+    opts = pc.runtime.inductor_options
+    assert opts == (("coordinate_descent_tuning", True), ("max_autotune_gemm_backends", "ATEN"),
+                    ("triton.persistent_reductions", False))
+    assert all(name in ic.get_config_copy() for name, _ in opts)
+    assert hash(pc.runtime) == hash(pc.runtime)  # the spec stays hashable
+    assert plan_config_from(compose([])).runtime.inductor_options == ()
+    for override, needle in [
+        ("runtime.inductor_options={coordinate_descent_tunning:true}", "not an Inductor option"),
+        ("runtime.inductor_options={persistent_reductions:false}", "did you mean triton.persistent_reductions"),
+        ("runtime.inductor_options={coordinate_descent_tuning:3}", "expects bool, got 3"),
+        ("runtime.inductor_options={max_autotune_gemm_backends:true}", "expects str"),
+        ("runtime.inductor_options={triton:{cudagraphs:true}}", "captures the whole step"),
+    ]:
+        with pytest.raises(ConfigError, match=f"runtime.inductor_options.*{needle}") as e:
+            plan_config_from(compose([override]))
+        assert "\n" not in str(e.value)

@@ -316,7 +316,7 @@ def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypat
     # a trainer that clears Dynamo's compiled code (another recompute mode) is sure to compile
     import dataclasses
     from tr_hydra.runtime import recompute
-    monkeypatch.setattr(recompute, "_compiled_with", ["none"])
+    monkeypatch.setattr(recompute, "_compiled_with", [("none", ())])
     pc = small_config(compile="inductor")
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise"))
     tr = runner.Trainer(pc, run_dir=tmp_path / "p", log=lambda *_: None, telemetry=False, source=False)

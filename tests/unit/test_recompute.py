@@ -134,3 +134,17 @@ def test_a_change_of_recompute_mode_clears_dynamos_compiled_code(monkeypatch):
     monkeypatch.setattr(recompute, "_compiled_with", [])
     got = [recompute.fresh_compile_for(m) for m in ("none", "none", "pointwise", "pointwise", "none")]
     assert got == [False, False, True, False, True] and len(resets) == 2
+
+
+def test_a_change_of_inductor_options_clears_dynamos_compiled_code(monkeypatch):
+    """runtime.inductor_options are not in Dynamo's guards either: other options clear the
+    compiled code, the same options in another order do not."""
+    import torch._dynamo
+    from tr_hydra.runtime import recompute
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(recompute, "_compiled_with", [])
+    a = {"coordinate_descent_tuning": True, "max_autotune": False}
+    seq = [None, {}, a, dict(reversed(list(a.items()))), {"coordinate_descent_tuning": False}, None]
+    got = [recompute.fresh_compile_for("none", o) for o in seq]
+    assert got == [False, False, True, False, True, True] and len(resets) == 3

@@ -376,3 +376,32 @@ def test_dynamic_batch_compiles_one_graph_per_split_and_trains_as_the_eager_step
     assert graphs[("inductor", False)] == 4 and graphs[("inductor", True)] == 2, graphs
     for k, ref in out[("none", False)].items():
         torch.testing.assert_close(out[("inductor", True)][k], ref, rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_inductor_options_reach_the_models_compile_and_train_as_the_eager_step(tmp_path):
+    """runtime.inductor_options go into the compile of the model's step: with
+    ``cpp.simdlen=0`` the generated CPU code has no vector types, which Inductor's default
+    code for the same kind of step has; the steps still end where the eager steps do."""
+    import dataclasses
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    probe = torch.compile(lambda x: (x.sin() + 1).relu() * x)
+    _, code = run_and_get_code(probe, torch.randn(4, 64))
+    assert "Vectorized" in "\n".join(code)  # the check below can fail
+
+    out = {}
+    for mode, opts in (("none", ()), ("inductor", (("cpp.simdlen", 0),))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        pc = small_config(compile=mode, train_size=72, batch=32, val_size=40, val_batch=32, epochs=1)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, inductor_options=opts, precompile=0))
+        logs = []
+        tr = Trainer(pc, tmp_path / mode, log=logs.append)
+        _, code = run_and_get_code(tr.fit)
+        out[mode] = tr.final_state_dict()
+        if mode == "inductor":
+            text = "\n".join(code)
+            assert code and "cpp_fused" in text and "Vectorized" not in text
+            assert any("runtime.inductor_options: cpp.simdlen=0" in str(ln) for ln in logs), logs
+    for k, ref in out["none"].items():
+        torch.testing.assert_close(out["inductor"][k], ref, rtol=1e-4, atol=1e-4, msg=k)

@@ -64,9 +64,11 @@ def end_to_end(pc, b, device) -> dict:
             r = e2e_tr(fpc, "/tmp/tr_bench_e2e", warm_steps=b.warmup)
         elif m == "dali-compile":
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
-                                 hw_decoder_load=fpc.data.hw_decoder_load)
+                                 hw_decoder_load=fpc.data.hw_decoder_load,
+                                 options=dict(fpc.runtime.inductor_options))
         else:
-            r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup)
+            r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
+                                       options=dict(fpc.runtime.inductor_options))
         r["mode"] = m
         records.append(r)
         _sync(device)
@@ -117,7 +119,8 @@ class Mode:
         self.batch = v.batch
         if name in PYTORCH_MODES:
             self.trainer = None
-            step = pytorch_runner(pc.model.name, v.batch, v.res, pc.model.num_classes, name, device, pc.amp)
+            step = pytorch_runner(pc.model.name, v.batch, v.res, pc.model.num_classes, name, device, pc.amp,
+                                  options=dict(pc.runtime.inductor_options))
             self.step = step
         else:
             from tr_hydra.runtime.runner import Trainer
@@ -415,8 +418,10 @@ def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
             return model(x).argmax(1)
     if mode != "eager":
         dynamic = False if mode.endswith("static") else None
-        fwd_bwd = torch.compile(fwd_bwd, mode="reduce-overhead", dynamic=dynamic)
-        fwd = torch.compile(fwd, mode="reduce-overhead", dynamic=dynamic)
+        from tr_hydra.bench import compile_as
+        options = dict(pc.runtime.inductor_options)  # as tr_hydra's compile
+        fwd_bwd = compile_as(fwd_bwd, "reduce-overhead", options, dynamic=dynamic)
+        fwd = compile_as(fwd, "reduce-overhead", options, dynamic=dynamic)
     data = {}
     for v in pc.variants:
         x = torch.randn(v.batch, pc.data.channels, v.res, v.res, device=device).to(memory_format=torch.channels_last)
@@ -543,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         if b.data:
             out = end_to_end(pc, b, device)
             print(e2e_table(out["modes"]))
+            if pc.runtime.inductor_options:
+                print(options_line(pc))
             _write(out, b.out)
             return 0
         modes = _modes(b.modes, device)
@@ -566,8 +573,16 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
         print(mix_table(out["epoch_mix"]))
+    if pc.runtime.inductor_options:
+        print(options_line(pc))
     _write(out, b.out)
     return 0
+
+
+def options_line(pc) -> str:
+    """Under the tables: the Inductor options every compiled mode ran with."""
+    opts = ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options)
+    return f"Inductor options (runtime.inductor_options), for tr_hydra and every torch.compile mode alike: {opts}"
 
 
 def _write(out: dict, path: str | None) -> None:

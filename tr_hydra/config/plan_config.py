@@ -99,6 +99,9 @@ class RuntimeSpec:
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
     dynamic_batch: bool = False
+    # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
+    # (name, value) pairs: the spec stays hashable; ``dict(...)`` gives them back
+    inductor_options: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,63 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+# options that would undo what the runtime does itself: it captures the whole step as a CUDA
+# graph (Inductor's own graphs inside it would be captured twice), and it compiles with static
+# shapes (``runtime.dynamic_batch`` for the batch size)
+_OWNED_OPTIONS = {"triton.cudagraphs": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
+                  "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)"}
+
+
+def _flat_options(opts: Any, prefix: str = "") -> dict:
+    out = {}
+    for k, v in dict(opts or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat_options(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def inductor_options(opts: Any) -> tuple:
+    """``runtime.inductor_options`` checked against this PyTorch's Inductor config: known names
+    (nested maps such as ``{triton: {persistent_reductions: false}}`` are dotted names), values
+    of the option's own type, none that would undo the runtime's own capture. Sorted pairs."""
+    flat = _flat_options(opts)
+    if not flat:
+        return ()
+    import torch._inductor.config as ic
+    known = ic.get_config_copy() if hasattr(ic, "get_config_copy") else {}
+    out = []
+    for name, value in sorted(flat.items()):
+        key = f"runtime.inductor_options.{name}"
+        if name in _OWNED_OPTIONS:
+            raise ConfigError(f"{key}: not allowed: {_OWNED_OPTIONS[name]}")
+        if name not in known:
+            near = [k for k in known if k.split(".")[-1] == name.split(".")[-1]]
+            hint = f" (did you mean {near[0]}?)" if near else " (torch._inductor.list_options() lists them)"
+            raise ConfigError(f"{key}: not an Inductor option of this PyTorch{hint}")
+        default = known[name]
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        elif default is None:
+            ok = isinstance(value, (bool, int, float, str))
+        else:
+            ok = False
+        if not ok:
+            kind = type(default).__name__ if default is not None and isinstance(default, (bool, int, float, str)) \
+                else "a value this config can express"
+            raise ConfigError(f"{key}: expects {kind}, got {value!r}")
+        out.append((name, value))
+    return tuple(out)
+
+
 def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     """Build a PlanConfig from a composed config (DictConfig or the schema dataclass).
 
@@ -235,6 +295,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     data = _freeze(DataSpec, cfg.data)
     trainer = _freeze(TrainerSpec, cfg.trainer)
     runtime = _freeze(RuntimeSpec, cfg.runtime)
+    runtime = dataclasses.replace(runtime, inductor_options=inductor_options(cfg.runtime.inductor_options))
     dspec = _freeze(DistSpec, cfg.dist)
     if world_size is None:
         world_size = 1

@@ -117,7 +117,11 @@ class StepExecutor:
         self.model = model
         self.forward_fn = forward if forward is not None else model
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
-        self._loss_fn = torch.compile(loss_and_metrics, dynamic=False) if compile_loss else loss_and_metrics
+        # (with runtime.inductor_options, as the model's compile)
+        options = dict(compiled.config.runtime.inductor_options)
+        self._loss_fn = loss_and_metrics if not compile_loss else \
+            torch.compile(loss_and_metrics, dynamic=False, options=options) if options \
+            else torch.compile(loss_and_metrics, dynamic=False)
         # runtime.dynamic_batch: the compiled forward sees the batch size as a symbol, so the
         # variants of one split and resolution share one graph
         self.dynamic_batch = forward is not None and forward is not model and compiled.config.runtime.dynamic_batch

@@ -50,19 +50,21 @@ def with_recompute(forward, mode: str):
     return call
 
 
-_compiled_with: list[str] = []  # the recompute mode of this process's last compile
+_compiled_with: list = []  # (recompute mode, Inductor options) of this process's last compile
 
 
-def fresh_compile_for(mode: str) -> bool:
+def fresh_compile_for(mode: str, options: dict | None = None) -> bool:
     """Before a model is compiled: clear Dynamo's compiled code if this process compiled the
-    same model code under another recompute mode. Dynamo guards a compiled forward on the
-    module's structure, not on the partitioner options, so a second trainer in one process (a
-    sweep's next job, a bench mode) would otherwise run the first one's partition: measured on
-    the H200, ``pointwise`` after ``none`` then kept exactly as much as ``none``. Returns whether
-    it cleared."""
-    changed = bool(_compiled_with) and _compiled_with[-1] != mode
+    same model code under another recompute mode or other Inductor options
+    (``runtime.inductor_options``). Dynamo guards a compiled forward on the module's structure,
+    not on the partitioner options, so a second trainer in one process (a sweep's next job, a
+    bench mode) would otherwise run the first one's partition: measured on the H200,
+    ``pointwise`` after ``none`` then kept exactly as much as ``none``. Returns whether it
+    cleared."""
+    key = (mode, tuple(sorted((options or {}).items())))
+    changed = bool(_compiled_with) and _compiled_with[-1] != key
     if changed:
         import torch._dynamo
         torch._dynamo.reset()
-    _compiled_with[:] = [mode]
+    _compiled_with[:] = [key]
     return changed

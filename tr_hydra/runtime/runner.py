@@ -168,9 +168,13 @@ class Trainer:
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, 64)
             from tr_hydra.runtime.recompute import fresh_compile_for
-            if fresh_compile_for(pc.runtime.recompute):  # Dynamo's compiled code cleared: a compile will come
+            options = dict(pc.runtime.inductor_options)
+            if fresh_compile_for(pc.runtime.recompute, options):  # Dynamo's compiled code cleared: a compile will come
                 _COMPILED_FORWARDS.clear()
-            forward = torch.compile(model, dynamic=False)
+            forward = torch.compile(model, dynamic=False, options=options) if options \
+                else torch.compile(model, dynamic=False)
+            if options:
+                self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
             if pc.runtime.recompute != "none":
                 from tr_hydra.runtime.recompute import with_recompute
                 forward = with_recompute(forward, pc.runtime.recompute)

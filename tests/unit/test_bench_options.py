@@ -1,0 +1,42 @@
+"""tr-bench gives its torch.compile baselines tr_hydra's runtime.inductor_options."""
+from __future__ import annotations
+
+import torch
+
+from tr_hydra import bench
+
+
+def test_compile_as_puts_the_options_on_top_of_the_modes_own_and_they_take_effect():
+    from torch._inductor.utils import run_and_get_code
+
+    def f(x):
+        return (x.sin() + 1).relu() * x
+    x = torch.randn(4, 64)
+    codes = {}
+    for opts in (None, {"cpp.simdlen": 0}):
+        torch._dynamo.reset()
+        out, code = run_and_get_code(bench.compile_as(f, None, opts), x)
+        torch.testing.assert_close(out, f(x))
+        codes[bool(opts)] = "\n".join(code)
+    assert "Vectorized" in codes[False] and "Vectorized" not in codes[True]
+
+
+def test_the_pytorch_modes_compile_with_the_options(monkeypatch):
+    seen = []
+    real = torch.compile
+
+    def recording(fn, **kw):
+        seen.append(kw)
+        return real(fn, backend="eager")
+    monkeypatch.setattr(torch, "compile", recording)
+    cpu = torch.device("cpu")
+    opts = {"coordinate_descent_tuning": True}
+    for mode in ("compile", "reduce-overhead"):
+        bench.pytorch_runner("resnet_mini", 2, 16, 10, mode, cpu, False, options=opts)
+        bench.pytorch_runner("resnet_mini", 2, 16, 10, mode, cpu, False)
+    assert seen == [{"options": opts}, {},
+                    {"options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}},
+                    {"mode": "reduce-overhead"}]
+    seen.clear()
+    bench._compiled_step("resnet_mini", 10, cpu, False, opts)
+    assert seen == [{"options": opts}]
