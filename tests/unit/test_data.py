@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -472,3 +474,45 @@ def test_synthetic_banks_built_ahead_hold_the_same_values_and_are_not_made_twice
     pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32, lowres_epochs=1, res=16, lowres_res=12)
     tr = Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)
     assert sorted(tr.source._ahead) == [("train", 12, 32), ("train", 16, 32), ("val", 16, 32)]
+
+
+def test_a_process_that_exits_while_banks_are_made_ahead_exits_cleanly():
+    """The thread making synthetic banks runs torch ops; a process leaving while it runs (a run
+    that fails just after building its trainer) must end with its own exit code, not abort
+    in PyTorch's teardown ("terminate called without an active exception", status 134)."""
+    code = ("import sys, torch\n"
+            "from tr_hydra.data.synthetic import SyntheticSource\n"
+            "src = SyntheticSource(10, 3, 0, torch.device('cpu'), torch.float32, 4096, 64)\n"
+            "src.build_ahead([('train', 160, 256), ('train', 192, 256), ('train', 224, 256)])\n"
+            "assert src._thread.is_alive()\n"
+            "sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "terminate called" not in r.stderr
+
+
+def test_closing_a_source_stops_its_banks_ahead_after_the_one_in_progress(monkeypatch):
+    """close(): the thread ends after the bank it is making; the others are made at first use,
+    with the same values."""
+    import time
+    from tr_hydra.data import synthetic
+    keys = [("train", 16, 8), ("train", 12, 8), ("val", 12, 6)]
+    real = synthetic.SyntheticSource._make
+    started = threading.Event()
+
+    def slow_make(self, *key):
+        started.set()
+        time.sleep(0.3)
+        return real(self, *key)
+    monkeypatch.setattr(synthetic.SyntheticSource, "_make", slow_make)
+    src = synthetic.SyntheticSource(10, 3, 5, "cpu", torch.float32, 40, 20)
+    src.build_ahead(keys)
+    assert started.wait(10)
+    src.close()
+    assert not src._thread.is_alive() and src not in synthetic._AHEAD
+    assert len(src._made) == 1 and all(src._ahead[k].is_set() for k in keys)
+    monkeypatch.setattr(synthetic.SyntheticSource, "_make", real)
+    ref = synthetic.SyntheticSource(10, 3, 5, "cpu", torch.float32, 40, 20)
+    for split, res, batch in keys:
+        a, b = src.batch(split, 1, batch, batch, res), ref.batch(split, 1, batch, batch, res)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

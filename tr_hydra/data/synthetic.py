@@ -11,12 +11,26 @@ batch 256) took 11.6 s on a 2-core CPU. ``build_ahead`` makes them on a thread w
 compile, so that the first steps do not wait for it; the values are the same either way."""
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 BANK_BATCHES = 4  # distinct batches per (split, resolution); reused cyclically
+
+# sources whose banks a thread may still be making. A process leaving while that thread is
+# inside a torch op aborts in PyTorch's teardown ("terminate called without an active
+# exception", status 134, not the process's own exit code): at exit, each is stopped after the
+# bank in progress and joined
+_AHEAD: "weakref.WeakSet[SyntheticSource]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_ahead() -> None:
+    for src in list(_AHEAD):
+        src.close()
 
 
 class SyntheticSource:
@@ -31,6 +45,7 @@ class SyntheticSource:
         self._ahead: dict[tuple[str, int, int], threading.Event] = {}  # build_ahead's keys: done when set
         self._made: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # by the thread
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def _make(self, split: str, res: int, batch: int):
         """A bank's images (NHWC, padded) and labels, on the host, not yet pinned: CPU work only."""
@@ -57,13 +72,23 @@ class SyntheticSource:
         def work():
             for k in todo:
                 try:
-                    self._made[k] = self._make(*k)
+                    if not self._stop.is_set():  # stopped: the rest are made at first use
+                        self._made[k] = self._make(*k)
                 except Exception:  # noqa: BLE001 - only a head start: the bank is made at first use
                     pass
                 finally:
                     self._ahead[k].set()
         self._thread = threading.Thread(target=work, name="tr_hydra-synthetic-banks", daemon=True)
+        _AHEAD.add(self)
         self._thread.start()
+
+    def close(self) -> None:
+        """Stops making banks ahead (after the one in progress) and waits for the thread; a bank
+        not made is made at first use."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        _AHEAD.discard(self)
 
     def _bank(self, split: str, res: int, batch: int):
         key = (split, res, batch)

@@ -200,10 +200,14 @@ class Trainer:
 
     def close(self) -> None:
         """Release the captured graphs (before the process group is destroyed: see
-        ``CudaGraphs.release``). The trainer cannot step afterwards."""
+        ``CudaGraphs.release``), and stop any work its data source still does ahead. The trainer
+        cannot step afterwards."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        stop = getattr(self.source, "close", None)
+        if stop is not None:
+            stop()
 
     def _make_source(self):
         pc = self.pc
