@@ -220,3 +220,23 @@ def test_done_line_says_when_no_validation_ran(tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     done = [l for l in out.stdout.splitlines() if l.startswith("done:")][0]
     assert "2 steps" in done and "final val top1 n/a (the last epoch ran no validation)" in done and "nan" not in done
+
+
+def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path):
+    """bench.cold=true: each epoch-mix mode runs in a fresh process with empty Inductor/Triton
+    caches of its own, deleted afterwards; the results come back into one table and JSON."""
+    out = run("tr-bench", "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1",
+              "bench.modes=[eager]", "bench.steps=2", "bench.repeats=1", "bench.warmup=1",
+              "bench.epoch_mix=true", "bench.epoch_mix_modes=[tr,eager]", "bench.cold=true",
+              f"bench.out={tmp_path / 'b.json'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert [m["mode"] for m in res["modes"]] == ["eager"]  # the step modes, in this process
+    mix = res["epoch_mix"]
+    assert mix["cold"] and list(mix["modes"]) == ["tr", "eager"]
+    dirs = [mix["modes"][m]["caches"]["inductor"] for m in ("tr", "eager")]
+    assert dirs[0] != dirs[1] and not any(os.path.exists(d) for d in dirs)
+    for r in mix["modes"].values():
+        assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
+    assert out.stdout.count("in a process of its own, with empty caches") == 2
+    assert "cold (bench.cold)" in out.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -465,12 +466,7 @@ def epoch_mix(pc, device, modes=None, repeat: int = 5) -> dict:
     batches and validation at both batch sizes. For each mode: img/s over the whole schedule
     (training images over training and validation time), the time to the first step of every
     variant (compiles and captures included), and each variant's own ms/step."""
-    modes = modes or (["tr", "reduce-overhead-static", "reduce-overhead-dynamic"] if device.type == "cuda"
-                      else ["tr", "eager"])
-    bad = [m for m in modes if m not in MIX_MODES]
-    if bad:
-        from tr_hydra.errors import ConfigError
-        raise ConfigError(f"bench.epoch_mix_modes: unknown {bad}; choose from {', '.join(MIX_MODES)}")
+    modes = _mix_modes(modes, device)
     out = {"variants": {v.name: {"batch": v.batch, "res": v.res, "train": v.train} for v in pc.variants},
            "modes": {}}
     for m in modes:
@@ -481,6 +477,58 @@ def epoch_mix(pc, device, modes=None, repeat: int = 5) -> dict:
     return out
 
 
+def _mix_modes(modes, device) -> list[str]:
+    modes = modes or (["tr", "reduce-overhead-static", "reduce-overhead-dynamic"] if device.type == "cuda"
+                      else ["tr", "eager"])
+    bad = [m for m in modes if m not in MIX_MODES]
+    if bad:
+        from tr_hydra.errors import ConfigError
+        raise ConfigError(f"bench.epoch_mix_modes: unknown {bad}; choose from {', '.join(MIX_MODES)}")
+    return list(modes)
+
+
+# the keys a cold epoch mix sets for each of its processes
+_COLD_OWNS = ("bench.modes", "bench.epoch_mix", "bench.epoch_mix_modes", "bench.cold", "bench.out",
+              "bench.profile", "bench.data", "bench.generate")
+
+
+def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print) -> dict:
+    """``bench.cold=true``: each epoch-mix mode in a process of its own (same overrides), with
+    empty Inductor and Triton caches made for it and deleted afterwards, so the time to the
+    first step of every variant is a first run's, whatever ran before (an earlier mode in the
+    same process reuses Dynamo's compiles, cuDNN's loaded libraries and the caches on disk).
+    The driver's JIT cache (``CUDA_CACHE_PATH``) is left as it is."""
+    import shutil
+    import subprocess
+    import tempfile
+    from tr_hydra.errors import TrHydraError
+    modes = _mix_modes(modes, device)
+    keep = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in _COLD_OWNS]
+    out = {"variants": {v.name: {"batch": v.batch, "res": v.res, "train": v.train} for v in pc.variants},
+           "modes": {}, "cold": True}
+    for m in modes:
+        tmp = tempfile.mkdtemp(prefix=f"tr_bench_cold_{m}_")
+        try:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+            res = os.path.join(tmp, "mix.json")
+            cmd = [sys.executable, "-m", "tr_hydra.cli.bench", *keep, "bench.modes=[]", "bench.epoch_mix=true",
+                   f"bench.epoch_mix_modes=[{m}]", "bench.cold=false", f"bench.out={res}"]
+            log(f"epoch mix, cold: {m} in a process of its own, with empty caches in {tmp}", flush=True)
+            rc = subprocess.run(cmd, env=env).returncode
+            if rc != 0:
+                raise TrHydraError(f"bench.cold: the {m} epoch mix failed in its own process (exit status {rc}); "
+                                   "its output is above")
+            with open(res) as f:
+                r = json.load(f)["epoch_mix"]["modes"][m]
+            r["caches"] = {"inductor": env["TORCHINDUCTOR_CACHE_DIR"], "triton": env["TRITON_CACHE_DIR"],
+                           "fresh_process": True}
+            out["modes"][m] = r
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def mix_table(mix: dict) -> str:
     names = list(mix["variants"])
     head = f"{'epoch mix':<24} {'img/s':>9} {'first (s)':>10} " + " ".join(f"{n:>18}" for n in names)
@@ -488,6 +536,8 @@ def mix_table(mix: dict) -> str:
     for m, r in mix["modes"].items():
         lines.append(f"{m:<24} {r['img_per_sec']:>9,.0f} {r['first_step_of_all_variants_seconds']:>10.1f} "
                      + " ".join(f"{r['step_ms_by_variant'][n]:>18.2f}" for n in names))
+    if mix.get("cold"):
+        lines.append("cold (bench.cold): each mode in a process of its own, with empty Inductor and Triton caches")
     for m, r in mix["modes"].items():
         parts = r.get("ready_seconds")
         if parts:
@@ -567,7 +617,16 @@ def main(argv: list[str] | None = None) -> int:
             out["profile"] = [profile_mode(m) for m in built]
         if b.epoch_mix:
             mm = None if b.epoch_mix_modes == "auto" else _as_list(b.epoch_mix_modes)
-            out["epoch_mix"] = epoch_mix(pc, device, mm)
+            if b.cold:  # the processes of their own get the device memory the modes above held
+                for m in built:
+                    if m.trainer is not None:
+                        m.trainer.close()
+                del built[:]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                out["epoch_mix"] = epoch_mix_cold(argv, pc, device, mm)
+            else:
+                out["epoch_mix"] = epoch_mix(pc, device, mm)
     print(table(records))
     if "profile" in out:
         print(profile_table(out["profile"]))

@@ -220,6 +220,7 @@ class BenchConfig:
     warmup: int = 5
     epoch_mix: bool = False
     epoch_mix_modes: Any = "auto"
+    cold: bool = False           # epoch mix: each mode in a fresh process with empty Inductor/Triton caches
     profile: bool = False
     single_buffer: bool = False  # diagnostic: tr_hydra steps one at a time on input buffer A
     data: Optional[str] = None   # a JPEG folder (train/<class>/*.jpg): measure end to end instead
