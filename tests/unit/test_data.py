@@ -54,9 +54,10 @@ def folder_config(root, *, shuffle=False, augment=False, batch=4, res=16, amp=Fa
     return dataclasses.replace(pc, data=data)
 
 
-def test_imagefolder_exact_order_and_values(tmp_path):
+@pytest.mark.parametrize("mmap", [False, True])  # data.mmap: plain file reads (default) or mapped
+def test_imagefolder_exact_order_and_values(tmp_path, mmap):
     pixels = make_folder(tmp_path)
-    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    src = DaliSource(folder_config(tmp_path, mmap=mmap), torch.device("cpu"), torch.float32)
     paths = src.index["train"].paths
     assert [Path(p).parent.name for p in paths] == ["cat"] * 3 + ["dog"] * 2 + ["emu"] * 4
     b0 = src.batch("train", 0, 4, 4, 16)
@@ -516,3 +517,26 @@ def test_closing_a_source_stops_its_banks_ahead_after_the_one_in_progress(monkey
     for split, res, batch in keys:
         a, b = src.batch(split, 1, batch, batch, res), ref.batch(split, 1, batch, batch, res)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_file_reads_are_plain_unless_mapping_is_asked_for(tmp_path, mmap):
+    """``data.mmap``: DALI's file read gets ``dont_use_mmap`` as asked, plain reads by default
+    (the values either way: ``test_imagefolder_exact_order_and_values``)."""
+    from nvidia.dali import fn
+    pixels = make_folder(tmp_path)
+    src = DaliSource(folder_config(tmp_path, mmap=mmap), torch.device("cpu"), torch.float32)
+    seen = {}
+    real = fn.io.file.read
+
+    def read(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as mp:
+        mp.setattr(fn.io.file, "read", read)
+        ref = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+        assert ref.pc.data.mmap is False
+        seen.clear()
+        src._build("train", 16, 4, stream=False)
+    assert seen["dont_use_mmap"] is (not mmap)

@@ -65,6 +65,7 @@ class DataSpec:
     skip_corrupt: bool = False
     num_threads: str | int = "auto"
     hw_decoder_load: float | None = None  # share of JPEGs for the GPU's hardware decoder (None: DALI's)
+    mmap: bool = False  # DALI's file reads: mapped (true) or plain reads (false)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ class DataConfig:
     skip_corrupt: bool = False
     num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
     hw_decoder_load: Optional[float] = None  # share of JPEGs sent to the GPU's hardware decoder; null: DALI's default
+    mmap: bool = False            # DALI reads each file by mapping it (true) or with plain reads (false: faster, measured)
 
 
 @dataclass

