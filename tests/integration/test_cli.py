@@ -240,3 +240,6 @@ def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
     assert out.stdout.count("in a process of its own, with empty caches") == 2
     assert "cold (bench.cold)" in out.stdout
+    bad = run("tr-bench", "bench.cold=true", cwd=tmp_path)
+    lines = [l for l in bad.stderr.splitlines() if l.strip()]
+    assert bad.returncode == 2 and len(lines) == 1 and "add bench.epoch_mix=true" in lines[0], bad.stderr

@@ -405,3 +405,15 @@ def test_inductor_options_reach_the_models_compile_and_train_as_the_eager_step(t
             assert any("runtime.inductor_options: cpp.simdlen=0" in str(ln) for ln in logs), logs
     for k, ref in out["none"].items():
         torch.testing.assert_close(out["inductor"][k], ref, rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_inductor_options_without_inductor_are_said_to_do_nothing(tmp_path):
+    import dataclasses
+    pc = small_config()  # CPU, runtime.compile=none
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(
+        pc.runtime, inductor_options=(("coordinate_descent_tuning", True),), recompute="pointwise"))
+    logs = []
+    Trainer(pc, tmp_path, log=logs.append, telemetry=False, source=False)
+    said = [str(ln) for ln in logs if "has no effect without Inductor" in str(ln)]
+    assert said == ["runtime.recompute=pointwise has no effect without Inductor (runtime.compile)",
+                    "runtime.inductor_options has no effect without Inductor (runtime.compile)"], logs

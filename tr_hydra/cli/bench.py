@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(argv)
         pc = plan_config_from(cfg)
         b = cfg.bench
+        if b.cold and not b.epoch_mix:
+            from tr_hydra.errors import ConfigError
+            raise ConfigError("bench.cold: applies to the epoch mix; add bench.epoch_mix=true")
         device = pick_device(pc)
         if b.data:
             out = end_to_end(pc, b, device)

@@ -179,8 +179,11 @@ class Trainer:
                 from tr_hydra.runtime.recompute import with_recompute
                 forward = with_recompute(forward, pc.runtime.recompute)
                 self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
-        elif pc.runtime.recompute != "none":
-            self.log(f"runtime.recompute={pc.runtime.recompute} has no effect without Inductor (runtime.compile)")
+        else:
+            unused = ([f"runtime.recompute={pc.runtime.recompute}"] if pc.runtime.recompute != "none" else []) \
+                + (["runtime.inductor_options"] if pc.runtime.inductor_options else [])
+            for key in unused:
+                self.log(f"{key} has no effect without Inductor (runtime.compile)")
         self.inductor = forward is not model
         self.precompile_summary: dict | None = None
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
