@@ -170,7 +170,9 @@ def test_search_ahead_then_on_the_main_thread_before_the_compiled_code_runs(monk
     import time
     assert cp.can_search_ahead()  # the PyTorch versions supported have the callback
     torch._dynamo.reset()
-    runs = _slow_prime(monkeypatch)
+    # the thread's search takes longer than this tiny compile, however loaded the machine (a
+    # 0.8 s search left 0.27 s to wait after a slow 0.53 s compile on a CI runner)
+    runs = _slow_prime(monkeypatch, seconds=2.5)
     conv = nn.Conv2d(3, 4, 3)
     calls = cp.record(conv, 2, 3, 8, torch.float32, True, channels_last=False)
     main = []
@@ -192,7 +194,7 @@ def test_search_ahead_then_on_the_main_thread_before_the_compiled_code_runs(monk
     assert len(runs) == 2 and runs[0][0] != threading.get_ident()  # the thread's, then the main one
     assert main == [threading.get_ident()] and runs[1][0] == threading.get_ident()
     assert runs[0][1] <= runs[1][1] <= ran[0]
-    assert rep.calls == len(calls) and rep.ahead_seconds == 0.8 and rep.waited > 0.3, rep
+    assert rep.calls == len(calls) and rep.ahead_seconds == 2.5 and rep.waited > 0.5, rep
     from torch._dynamo.callback import callback_handler
     assert job._cb not in callback_handler.end_callbacks  # later compiles do not search
 
@@ -290,8 +292,9 @@ def test_closing_the_search_ahead_with_no_compile_stops_its_thread(monkeypatch):
     time.sleep(0.25)
     t = time.perf_counter()
     assert job.close() is None
-    assert time.perf_counter() - t < 0.5 and not job._thread.is_alive()
-    assert 1 <= len(ran) <= 5, len(ran)
+    # running on would take the rest of the 4 s; the bounds leave room for a loaded machine
+    assert time.perf_counter() - t < 1.5 and not job._thread.is_alive()
+    assert 1 <= len(ran) <= 15, len(ran)
 
 
 def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypatch, tmp_path):
