@@ -222,6 +222,35 @@ def test_done_line_says_when_no_validation_ran(tmp_path):
     assert "2 steps" in done and "final val top1 n/a (the last epoch ran no validation)" in done and "nan" not in done
 
 
+def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path):
+    """A time limit's SIGTERM during the second cold mode: the first mode's results are in the
+    JSON (marked incomplete), the running mode's process is stopped and its caches deleted."""
+    import signal
+    import time
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    p = subprocess.Popen(_cli("tr-bench") + [
+        "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1", "bench.modes=[eager]",
+        "bench.steps=2", "bench.repeats=1", "bench.warmup=1", "bench.epoch_mix=true",
+        "bench.epoch_mix_modes=[eager,tr]", "bench.cold=true", f"bench.out={tmp_path / 'b.json'}"],
+        cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmpdir)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list(tmpdir.glob("tr_bench_cold_tr_*")) and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)  # the second mode's process has started
+    assert p.poll() is None, "the run ended before the second mode started"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 143, stderr[-2000:]
+    assert "stopped by SIGTERM" in stderr
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert [m["mode"] for m in res["modes"]] == ["eager"]
+    mix = res["epoch_mix"]
+    assert mix["complete"] is False and list(mix["modes"]) == ["eager"] and mix["modes"]["eager"]["img_per_sec"] > 0
+    assert not list(tmpdir.glob("tr_bench_cold_*")), "a cold mode's caches were left behind"
+    assert not (tmp_path / "b.json.tmp").exists()
+
+
 def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path):
     """bench.cold=true: each epoch-mix mode runs in a fresh process with empty Inductor/Triton
     caches of its own, deleted afterwards; the results come back into one table and JSON."""
@@ -240,6 +269,10 @@ def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
     assert out.stdout.count("in a process of its own, with empty caches") == 2
     assert "cold (bench.cold)" in out.stdout
+    assert "complete" not in mix  # the last write is the whole run's
+    for m in ("tr", "eager"):  # each mode's own results are kept beside the output
+        own = json.loads((tmp_path / f"b.cold_{m}.json").read_text())["epoch_mix"]["modes"][m]
+        assert own["img_per_sec"] == mix["modes"][m]["img_per_sec"]
     bad = run("tr-bench", "bench.cold=true", cwd=tmp_path)
     lines = [l for l in bad.stderr.splitlines() if l.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and "add bench.epoch_mix=true" in lines[0], bad.stderr

@@ -492,12 +492,18 @@ _COLD_OWNS = ("bench.modes", "bench.epoch_mix", "bench.epoch_mix_modes", "bench.
               "bench.profile", "bench.data", "bench.generate")
 
 
-def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print) -> dict:
+def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print, out_path: str | None = None,
+                   on_progress=None) -> dict:
     """``bench.cold=true``: each epoch-mix mode in a process of its own (same overrides), with
     empty Inductor and Triton caches made for it and deleted afterwards, so the time to the
     first step of every variant is a first run's, whatever ran before (an earlier mode in the
     same process reuses Dynamo's compiles, cuDNN's loaded libraries and the caches on disk).
-    The driver's JIT cache (``CUDA_CACHE_PATH``) is left as it is."""
+    The driver's JIT cache (``CUDA_CACHE_PATH``) is left as it is.
+
+    Each mode's own results are kept next to ``out_path`` (``<stem>.cold_<mode>.json``) and
+    ``on_progress(partial)`` is called before the first mode and after each, so a run stopped part-way (a time limit, a
+    signal) keeps the modes that finished. SIGTERM stops the running mode's process and still
+    deletes its caches."""
     import shutil
     import subprocess
     import tempfile
@@ -506,12 +512,15 @@ def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print) -> dict:
     keep = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in _COLD_OWNS]
     out = {"variants": {v.name: {"batch": v.batch, "res": v.res, "train": v.train} for v in pc.variants},
            "modes": {}, "cold": True}
+    stem = os.path.splitext(out_path or "bench.json")[0]
+    if on_progress is not None:
+        on_progress(out)
     for m in modes:
         tmp = tempfile.mkdtemp(prefix=f"tr_bench_cold_{m}_")
         try:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
-            res = os.path.join(tmp, "mix.json")
+            res = f"{stem}.cold_{m}.json"
             cmd = [sys.executable, "-m", "tr_hydra.cli.bench", *keep, "bench.modes=[]", "bench.epoch_mix=true",
                    f"bench.epoch_mix_modes=[{m}]", "bench.cold=false", f"bench.out={res}"]
             log(f"epoch mix, cold: {m} in a process of its own, with empty caches in {tmp}", flush=True)
@@ -526,7 +535,27 @@ def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print) -> dict:
             out["modes"][m] = r
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if on_progress is not None:
+            on_progress(out)
     return out
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _term_as_exception():
+    """SIGTERM (a time limit's ``timeout``, a scheduler) raises in the main thread, so ``finally``
+    blocks run: a cold mode's process is stopped and its caches deleted, and what finished is
+    written. Returns the previous handler."""
+    import signal
+
+    def handle(signum, frame):
+        raise _Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handle)
+    except ValueError:  # not the main thread
+        return None
 
 
 def mix_table(mix: dict) -> str:
@@ -616,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"config": pc.describe(), "runtime": dataclasses.asdict(pc.runtime), "device": str(device),
                "batch": pc.batch_size,
                "res": pc.variant("train_base").res, "steps": b.steps, "repeats": b.repeats, "modes": records}
+        if records:  # before the profile and the epoch mix, which take minutes
+            print(table(records), flush=True)
         if b.profile:
             out["profile"] = [profile_mode(m) for m in built]
         if b.epoch_mix:
@@ -627,10 +658,21 @@ def main(argv: list[str] | None = None) -> int:
                 del built[:]
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                out["epoch_mix"] = epoch_mix_cold(argv, pc, device, mm)
+                def partial(mix, out=out):
+                    _write(dict(out, epoch_mix=dict(mix, complete=False)), b.out, quiet=True)
+                prev = _term_as_exception()
+                try:
+                    out["epoch_mix"] = epoch_mix_cold(argv, pc, device, mm, out_path=b.out, on_progress=partial)
+                except _Terminated:
+                    print("tr-bench: stopped by SIGTERM; the modes that finished are in "
+                          f"{b.out or 'bench.json'}", file=sys.stderr)
+                    return 143
+                finally:
+                    if prev is not None:
+                        import signal
+                        signal.signal(signal.SIGTERM, prev)
             else:
                 out["epoch_mix"] = epoch_mix(pc, device, mm)
-    print(table(records))
     if "profile" in out:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
@@ -647,11 +689,14 @@ def options_line(pc) -> str:
     return f"Inductor options (runtime.inductor_options), for tr_hydra and every torch.compile mode alike: {opts}"
 
 
-def _write(out: dict, path: str | None) -> None:
+def _write(out: dict, path: str | None, quiet: bool = False) -> None:
     path = path or "bench.json"
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"results in {path}")
+    os.replace(tmp, path)  # a reader, or a run stopped mid-write, never sees half a file
+    if not quiet:
+        print(f"results in {path}")
 
 
 if __name__ == "__main__":
