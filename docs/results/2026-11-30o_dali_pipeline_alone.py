@@ -1,5 +1,7 @@
 """DALI decode rate alone: the baseline's reader pipeline against tr_hydra's (external source of paths,
-io.file.read, checkpointing, checkpoint() before each batch, padded output)."""
+io.file.read, checkpointing, checkpoint() before each batch, padded output). A kind containing
+"nommap" reads the files with plain reads (tr_hydra's data.mmap=false, added after session o ran
+this script)."""
 import json, os, sys, time
 from pathlib import Path
 import numpy as np
@@ -20,7 +22,7 @@ def build(kind):
         if kind.startswith("reader"):
             enc, _ = fn.readers.file(file_root=str(train), random_shuffle=True, name="Reader")
         else:
-            enc = fn.io.file.read(fn.external_source(name="images", dtype=types.UINT8, ndim=1))
+            enc = fn.io.file.read(fn.external_source(name="images", dtype=types.UINT8, ndim=1), dont_use_mmap="nommap" in kind)
         img = fn.decoders.image_random_crop(enc, device="mixed", output_type=types.RGB,
                                             random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
         img = fn.resize(img, size=(RES, RES))
