@@ -100,6 +100,7 @@ class RuntimeSpec:
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
     dynamic_batch: bool = False
+    backward_streams: int = 1
     # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
     # (name, value) pairs: the spec stays hashable; ``dict(...)`` gives them back
     inductor_options: tuple = ()
@@ -228,7 +229,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 # graph (Inductor's own graphs inside it would be captured twice), and it compiles with static
 # shapes (``runtime.dynamic_batch`` for the batch size)
 _OWNED_OPTIONS = {"triton.cudagraphs": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
-                  "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)"}
+                  "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
+                  "post_grad_custom_post_pass": "tr_hydra sets it itself (runtime.backward_streams), and a pass is not a config value"}
 
 
 def _flat_options(opts: Any, prefix: str = "") -> dict:
@@ -351,6 +353,8 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(trainer.loss_scale_growth_interval >= 1, "trainer.loss_scale_growth_interval", "must be >= 1")
     _check(trainer.sema_every >= 0, "trainer.sema_every", "must be >= 0")
     _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
+    _check(runtime.backward_streams in (1, 2) and not isinstance(runtime.backward_streams, bool),
+           "runtime.backward_streams", f"must be 1 or 2, got {runtime.backward_streams!r}")
     _check(runtime.precompile == "auto" or (isinstance(runtime.precompile, int)
                                             and not isinstance(runtime.precompile, bool)
                                             and runtime.precompile >= 0),

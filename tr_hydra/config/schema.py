@@ -195,6 +195,7 @@ class RuntimeConfig:
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
     dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
+    backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side
     inductor_options: Any = None  # with Inductor: torch.compile(options=...) for the model's step (null: none)
 
 

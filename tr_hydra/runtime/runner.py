@@ -169,19 +169,29 @@ class Trainer:
                     setattr(dynamo.config, knob, 64)
             from tr_hydra.runtime.recompute import fresh_compile_for
             options = dict(pc.runtime.inductor_options)
+            user_options = bool(options)
+            if pc.runtime.backward_streams == 2:
+                from tr_hydra.runtime.backward_streams import aux_stream, inductor_options_for
+                options = inductor_options_for(2, options)
+                if self.device.type == "cuda":
+                    aux_stream(self.device)  # made now, not first inside a capture
+                self.log("runtime.backward_streams=2: each convolution's weight gradient runs on a second stream, "
+                         "beside its input gradient" + ("" if self.device.type == "cuda"
+                                                        else " (on CPU the two still run one after the other)"))
             if fresh_compile_for(pc.runtime.recompute, options):  # Dynamo's compiled code cleared: a compile will come
                 _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False, options=options) if options \
                 else torch.compile(model, dynamic=False)
-            if options:
-                self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+            if user_options:
+                self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
             if pc.runtime.recompute != "none":
                 from tr_hydra.runtime.recompute import with_recompute
                 forward = with_recompute(forward, pc.runtime.recompute)
                 self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
         else:
             unused = ([f"runtime.recompute={pc.runtime.recompute}"] if pc.runtime.recompute != "none" else []) \
-                + (["runtime.inductor_options"] if pc.runtime.inductor_options else [])
+                + (["runtime.inductor_options"] if pc.runtime.inductor_options else []) \
+                + (["runtime.backward_streams=2"] if pc.runtime.backward_streams == 2 else [])
             for key in unused:
                 self.log(f"{key} has no effect without Inductor (runtime.compile)")
         self.inductor = forward is not model
