@@ -27,13 +27,14 @@ use.
 Same numbers: the two gradients come from the same cuDNN calls with one output each, which
 is what ``convolution_backward`` does for each output it is asked for.
 """
-from __future__ import annotations
+# no ``from __future__ import annotations``: custom_op reads the signature's types as objects
+from typing import List, Optional, Tuple
 
 import torch
 
 aten = torch.ops.aten
 
-_AUX: dict[int, "torch.cuda.Stream"] = {}
+_AUX: dict = {}  # device index -> its second stream
 
 
 def aux_stream(device: torch.device) -> "torch.cuda.Stream":
@@ -47,9 +48,9 @@ def aux_stream(device: torch.device) -> "torch.cuda.Stream":
 
 @torch.library.custom_op("tr_hydra::conv_backward_two_streams", mutates_args=())
 def conv_backward_two_streams(grad: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor,
-                              bias_sizes: list[int] | None, stride: list[int], padding: list[int],
-                              dilation: list[int], transposed: bool, output_padding: list[int],
-                              groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+                              bias_sizes: Optional[List[int]], stride: List[int], padding: List[int],
+                              dilation: List[int], transposed: bool, output_padding: List[int],
+                              groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``aten.convolution_backward(..., output_mask=[True, True, False])``: (input gradient,
     weight gradient), the weight gradient on a second CUDA stream."""
     args = (grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
@@ -99,7 +100,7 @@ def split_conv_backwards(graph: torch.fx.Graph) -> int:
     return n
 
 
-SPLIT_COUNTS: list[int] = []  # per graph the pass saw, in this process (for the log and the tests)
+SPLIT_COUNTS: list = []  # per graph the pass saw, in this process (for the log and the tests)
 
 
 def _pass_class():
