@@ -139,3 +139,16 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
         with pytest.raises(ConfigError, match=f"runtime.inductor_options.*{needle}") as e:
             plan_config_from(compose([override]))
         assert "\n" not in str(e.value)
+
+
+def test_every_runtime_option_has_a_row_in_the_readme():
+    """The README's "Runtime options" table documents each key of the runtime schema, and no
+    key that does not exist."""
+    import dataclasses
+    import re
+    from pathlib import Path
+    from tr_hydra.config.schema import RuntimeConfig
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Runtime options (`runtime.`)", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M)
+    assert len(rows) == len(set(rows)) and sorted(rows) == sorted(f.name for f in dataclasses.fields(RuntimeConfig)), rows
