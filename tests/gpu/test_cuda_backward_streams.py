@@ -1,5 +1,5 @@
 """runtime.backward_streams=2 on CUDA: the two-stream op inside a CUDA graph capture, and the
-captured training step, against the single-stream results; and a microbenchmark for the log."""
+captured training step (both joins), against the single-stream results."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,7 +55,8 @@ def test_the_op_under_a_cuda_graph_capture_gives_autograds_gradients():
         torch.testing.assert_close(dw.float(), 2 * rw.float(), rtol=2e-2, atol=2e-1)
 
 
-def test_captured_training_with_two_backward_streams_matches_one(tmp_path):
+@pytest.mark.parametrize("join", ["conv", "next"])
+def test_captured_training_with_two_backward_streams_matches_one(tmp_path, join):
     import torch._functorch.config as fc
     import torch._inductor.config as ic
     out = {}
@@ -63,7 +64,8 @@ def test_captured_training_with_two_backward_streams_matches_one(tmp_path):
         torch._dynamo.reset()
         torch.manual_seed(0)
         pc = small_config(device="cuda", compile="inductor", amp=True, max_steps=8, epochs=2)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, backward_streams=streams, precompile=0))
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, backward_streams=streams,
+                                                                 backward_join=join, precompile=0))
         del bs.SPLIT_COUNTS[:]
         with ic.patch(fx_graph_cache=False), fc.patch(enable_autograd_cache=False):
             tr = Trainer(pc, tmp_path / str(streams), log=lambda *_: None)

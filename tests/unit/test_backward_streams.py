@@ -84,28 +84,84 @@ def test_the_pass_replaces_the_convolution_backwards_that_compute_both_gradients
         torch.testing.assert_close(grads["split"][n], ref, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_with_join_next_each_weight_gradient_joins_after_the_next_input_gradient(no_compile_caches):
+    """backward_join=next: in graph order, each convolution's weight gradient starts before its
+    input gradient and joins after the next split convolution's input gradient (the last one
+    before the output); the join keeps the weight gradient's inputs alive; same gradients."""
+    import operator
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                                                          nn.BatchNorm2d(8), nn.ReLU())],
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    graphs = []
+    orig = bs.split_conv_backwards
+
+    def spy(graph, join="conv"):
+        n = orig(graph, join)
+        graphs.append(graph)
+        return n
+    x = torch.randn(4, 8, 12, 12)
+    ref = copy.deepcopy(net)
+    ref(x).square().sum().backward()
+    torch._dynamo.reset()
+    bs.split_conv_backwards = spy
+    try:
+        c = torch.compile(net, dynamic=False, options=bs.inductor_options_for(2, {}, "next"))
+        c(x).square().sum().backward()
+    finally:
+        bs.split_conv_backwards = orig
+    order = [n for n in graphs[-1].nodes
+             if n.target in (torch.ops.tr_hydra.conv_weight_grad_start.default,
+                             torch.ops.tr_hydra.conv_weight_grad_join.default,
+                             aten.convolution_backward.default) or n.op == "output"]
+    kinds = ["start" if n.target is torch.ops.tr_hydra.conv_weight_grad_start.default else
+             "join" if n.target is torch.ops.tr_hydra.conv_weight_grad_join.default else
+             "output" if n.op == "output" else
+             "dgrad" if list(n.args[10]) == [True, False, False] else "aten" for n in order]
+    # three convolutions, the last first: the first one (over the input: no input gradient)
+    # keeps aten's call
+    assert kinds == ["start", "dgrad", "start", "dgrad", "join", "aten", "join", "output"], kinds
+    joins = [n for n in order if n.target is torch.ops.tr_hydra.conv_weight_grad_join.default]
+    starts = [n for n in order if n.target is torch.ops.tr_hydra.conv_weight_grad_start.default]
+    g = graphs[-1]
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    dgrads = [n for n in order if n.target is aten.convolution_backward.default and list(n.args[10]) == [True, False, False]]
+    # the first join comes after the second input gradient; its keep list holds the first's inputs
+    assert pos[joins[0]] > pos[dgrads[1]] and joins[0].args[0] is starts[0]
+    keep = joins[0].args[1]
+    assert starts[0].args[0] in keep and starts[0].args[1] in keep
+    assert pos[joins[1]] < pos[next(n for n in g.nodes if n.op == "output")]
+    assert not any(n.target is operator.getitem and n.args[0] in starts for n in g.nodes)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_a_trainer_with_two_backward_streams_trains_as_with_one(tmp_path, no_compile_caches):
     """The whole step through the trainer (Inductor on CPU): the same weights after a few steps
     with the pass as without it, and as the eager step."""
     out, logs = {}, {}
-    for name, mode, streams in (("eager", "none", 1), ("one", "inductor", 1), ("two", "inductor", 2)):
+    for name, mode, streams, join in (("eager", "none", 1, "conv"), ("one", "inductor", 1, "conv"),
+                                      ("two", "inductor", 2, "conv"), ("next", "inductor", 2, "next")):
         torch._dynamo.reset()
         torch.manual_seed(0)
         pc = small_config(compile=mode, train_size=72, batch=32, val_size=40, val_batch=32, epochs=1)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, backward_streams=streams, precompile=0))
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, backward_streams=streams,
+                                                                 backward_join=join, precompile=0))
         logs[name] = []
         del bs.SPLIT_COUNTS[:]
         tr = Trainer(pc, tmp_path / name, log=logs[name].append)
         tr.fit()
         out[name] = tr.final_state_dict()
-        if name == "two":
+        if name in ("two", "next"):
             assert sum(bs.SPLIT_COUNTS) > 0, "no convolution backward was split"
-            assert any("runtime.backward_streams=2" in str(ln) for ln in logs[name]), logs[name]
+            said = [str(ln) for ln in logs[name] if "runtime.backward_streams=2" in str(ln)]
+            assert said and (("backward_join=next" in said[0]) == (name == "next")), said
         elif name == "one":
             assert not bs.SPLIT_COUNTS
     for k, ref in out["one"].items():
-        torch.testing.assert_close(out["two"][k], ref, rtol=1e-5, atol=1e-5, msg=k)
-        torch.testing.assert_close(out["two"][k], out["eager"][k], rtol=1e-4, atol=1e-4, msg=k)
+        for name in ("two", "next"):
+            torch.testing.assert_close(out[name][k], ref, rtol=1e-5, atol=1e-5, msg=k)
+            torch.testing.assert_close(out[name][k], out["eager"][k], rtol=1e-4, atol=1e-4, msg=k)
 
 
 def test_backward_streams_is_checked_and_said_to_do_nothing_without_inductor(tmp_path):
@@ -129,6 +185,8 @@ def test_tr_bench_has_a_two_stream_mode_beside_the_default():
     from tr_hydra.config.plan_config import RuntimeSpec
     rt = RuntimeSpec(stem="conv")
     assert tr_runtime("tr-streams", rt) == dataclasses.replace(rt, compile="inductor", backward_streams=2)
+    assert tr_runtime("tr-streams-next", rt) == dataclasses.replace(rt, compile="inductor", backward_streams=2,
+                                                                    backward_join="next")
     assert tr_runtime("tr-inductor", rt).backward_streams == 1
     assert _modes(["reduce-overhead", "tr-inductor", "tr-streams"], torch.device("cpu")) == \
         ["reduce-overhead", "tr-inductor", "tr-streams"]
@@ -146,5 +204,6 @@ def test_changing_backward_streams_clears_dynamos_compiled_code(monkeypatch):
     assert not recompute.fresh_compile_for("none", bs.inductor_options_for(1, {}))
     assert recompute.fresh_compile_for("none", bs.inductor_options_for(2, {}))
     assert not recompute.fresh_compile_for("none", bs.inductor_options_for(2, {}))  # the same pass: equal
+    assert recompute.fresh_compile_for("none", bs.inductor_options_for(2, {}, "next"))
     assert recompute.fresh_compile_for("none", bs.inductor_options_for(1, {}))
-    assert len(calls) == 2
+    assert len(calls) == 3

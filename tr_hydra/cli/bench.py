@@ -18,7 +18,7 @@ import torch
 from tr_hydra.cli._common import compose, user_errors
 
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
-TR_MODES = ("tr", "tr-inductor", "tr-recompute", "tr-streams")
+TR_MODES = ("tr", "tr-inductor", "tr-recompute", "tr-streams", "tr-streams-next")
 E2E_MODES = ("tr", "dali-compile", "dl-compile")
 
 
@@ -99,12 +99,13 @@ def e2e_table(records: list[dict]) -> str:
 def tr_runtime(mode: str, runtime):
     """tr_hydra's runtime settings for a bench mode: ``tr`` the eager model, ``tr-inductor``
     Inductor, ``tr-recompute`` Inductor with ``runtime.recompute=pointwise`` (less activation
-    memory for a slower step), ``tr-streams`` Inductor with ``runtime.backward_streams=2``; the
-    rest of ``runtime`` as given."""
+    memory for a slower step), ``tr-streams`` Inductor with ``runtime.backward_streams=2``,
+    ``tr-streams-next`` that with ``runtime.backward_join=next``; the rest of ``runtime`` as given."""
     if mode == "tr-recompute":
         return dataclasses.replace(runtime, compile="inductor", recompute="pointwise")
-    if mode == "tr-streams":
-        return dataclasses.replace(runtime, compile="inductor", backward_streams=2)
+    if mode in ("tr-streams", "tr-streams-next"):
+        return dataclasses.replace(runtime, compile="inductor", backward_streams=2,
+                                   backward_join="next" if mode == "tr-streams-next" else "conv")
     return dataclasses.replace(runtime, compile="inductor" if mode == "tr-inductor" else "none")
 
 

@@ -101,6 +101,7 @@ class RuntimeSpec:
     autotune_flush: str = "fit"
     dynamic_batch: bool = False
     backward_streams: int = 1
+    backward_join: str = "conv"
     # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
     # (name, value) pairs: the spec stays hashable; ``dict(...)`` gives them back
     inductor_options: tuple = ()

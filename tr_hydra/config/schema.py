@@ -88,6 +88,11 @@ class Recompute(enum.Enum):
     pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
 
 
+class BackwardJoin(enum.Enum):
+    conv = "conv"  # runtime.backward_streams=2: the weight gradient joins before its convolution's backward ends
+    next = "next"  # ... after the next convolution's input gradient (it also overlaps the kernels between)
+
+
 class AutotuneFlush(enum.Enum):
     fit = "fit"    # Inductor's autotuning flushes L2 with at most the room under the memory high-water mark
     full = "full"  # Inductor's own L2-sized buffer, wherever the step's memory stands
@@ -196,6 +201,7 @@ class RuntimeConfig:
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
     dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
     backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side
+    backward_join: BackwardJoin = BackwardJoin.conv  # with backward_streams=2: where the weight gradient's stream joins
     inductor_options: Any = None  # with Inductor: torch.compile(options=...) for the model's step (null: none)
 
 

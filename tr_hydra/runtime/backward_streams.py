@@ -75,27 +75,114 @@ def _(grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, outp
     return dx, dw
 
 
-def split_conv_backwards(graph: torch.fx.Graph) -> int:
+JOINS = ("conv", "next")
+
+
+@torch.library.custom_op("tr_hydra::conv_weight_grad_start", mutates_args=())
+def conv_weight_grad_start(grad: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor,
+                           bias_sizes: Optional[List[int]], stride: List[int], padding: List[int],
+                           dilation: List[int], transposed: bool, output_padding: List[int],
+                           groups: int) -> torch.Tensor:
+    """``backward_join=next``: the weight gradient, started on the second stream (after the work
+    queued on the current one) and not joined; :func:`conv_weight_grad_join` joins it."""
+    args = (grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
+    if not grad.is_cuda:
+        return aten.convolution_backward(*args, [False, True, False])[1]
+    aux = aux_stream(grad.device)
+    aux.wait_stream(torch.cuda.current_stream(grad.device))
+    with torch.cuda.stream(aux):
+        return aten.convolution_backward(*args, [False, True, False])[1]
+
+
+@conv_weight_grad_start.register_fake
+def _(grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups):
+    return aten.convolution_backward(grad, inp, weight, bias_sizes, stride, padding, dilation, transposed,
+                                     output_padding, groups, [False, True, False])[1]
+
+
+@torch.library.custom_op("tr_hydra::conv_weight_grad_join", mutates_args=())
+def conv_weight_grad_join(dw: torch.Tensor, keep: List[torch.Tensor]) -> torch.Tensor:
+    """The current stream waits for the second; returns a copy of ``dw`` made after the wait (a
+    custom op may not return its input). ``keep``: the weight gradient's own inputs, so that
+    Inductor keeps their buffers until here, and the tensors this join must come after."""
+    if dw.is_cuda:
+        torch.cuda.current_stream(dw.device).wait_stream(aux_stream(dw.device))
+    return dw.clone()
+
+
+@conv_weight_grad_join.register_fake
+def _(dw, keep):
+    return torch.empty_like(dw)
+
+
+def _match(node) -> bool:
+    if node.op != "call_function" or node.target is not aten.convolution_backward.default or node.kwargs:
+        return False
+    mask = node.args[10] if len(node.args) > 10 else None
+    return mask is not None and [bool(m) for m in mask] == [True, True, False]
+
+
+def split_conv_backwards(graph: torch.fx.Graph, join: str = "conv") -> int:
     """Replace, in place, each ``convolution_backward`` of ``graph`` that computes the input and
-    weight gradients (and no bias gradient) by :func:`conv_backward_two_streams`. Returns how
-    many were replaced."""
+    weight gradients (and no bias gradient). ``join="conv"``: by :func:`conv_backward_two_streams`.
+    ``join="next"``: by :func:`conv_weight_grad_start` and the input gradient alone, with
+    :func:`conv_weight_grad_join` placed after the next such convolution's input gradient (or
+    before the first use of the weight gradient, or before the graph's output, whichever
+    comes first). Returns how many were replaced."""
+    import operator
+    if join not in JOINS:
+        raise ValueError(f"runtime.backward_join: {join!r}; choose from {', '.join(JOINS)}")
     n = 0
-    target = aten.convolution_backward.default
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not target:
-            continue
-        mask = node.args[10] if len(node.args) > 10 else node.kwargs.get("output_mask")
-        if mask is None or [bool(m) for m in mask] != [True, True, False] or node.kwargs:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.tr_hydra.conv_backward_two_streams.default, tuple(node.args[:10]))
-        new.meta.update(node.meta)
-        val = node.meta.get("val")
+    pending = None  # join=next: (start, [tensors to keep], the weight gradient's getitem, its value)
+
+    def flush(before, extra=()):
+        start, keep, dw_item, val = pending
+        with graph.inserting_before(before):
+            joined = graph.call_function(torch.ops.tr_hydra.conv_weight_grad_join.default, (start, keep + list(extra)))
         if val is not None:
-            new.meta["val"] = (val[0], val[1])
-        node.replace_all_uses_with(new)
+            joined.meta["val"] = val
+        if dw_item is not None:
+            dw_item.replace_all_uses_with(joined)
+            graph.erase_node(dw_item)
+
+    for node in list(graph.nodes):
+        if pending is not None and (node.op == "output" or (pending[2] is not None and node in pending[2].users)):
+            flush(node)
+            pending = None
+        if not _match(node):
+            continue
+        val = node.meta.get("val")
+        args = tuple(node.args[:10])
+        if join == "conv":
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.tr_hydra.conv_backward_two_streams.default, args)
+            new.meta.update(node.meta)
+            if val is not None:
+                new.meta["val"] = (val[0], val[1])
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            n += 1
+            continue
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        with graph.inserting_before(node):
+            start = graph.call_function(torch.ops.tr_hydra.conv_weight_grad_start.default, args)
+            dgrad = graph.call_function(aten.convolution_backward.default, args + ([True, False, False],))
+            dx = graph.call_function(operator.getitem, (dgrad, 0))
+        if val is not None:
+            start.meta["val"], dgrad.meta["val"], dx.meta["val"] = val[1], (val[0], None, None), val[0]
+        if pending is not None:  # the previous weight gradient joins after this input gradient
+            flush(node, [dx])
+        if 0 in items:
+            items[0].replace_all_uses_with(dx)
+            graph.erase_node(items[0])
+        dw_item = items.get(1)
+        if dw_item is not None:  # detached from the node until its join replaces it
+            dw_item.args = (start, 1)
+        pending = (start, [args[0], args[1], dx], dw_item, val[1] if val is not None else None)
         graph.erase_node(node)
         n += 1
+    if pending is not None:  # a graph without an output node: not expected from Inductor
+        raise RuntimeError("runtime.backward_join=next: a weight gradient was left without its join")
     SPLIT_COUNTS.append(n)
     return n
 
@@ -111,16 +198,20 @@ def _pass_class():
 
     class SplitConvBackward(CustomGraphPass):
         """Inductor's post-grad pass for ``runtime.backward_streams=2``. ``uuid`` is part of
-        Inductor's cache key, so a cached graph made without the pass is not reused with it."""
+        Inductor's cache key, so a cached graph made without the pass, or with the other join,
+        is not reused with it."""
+
+        def __init__(self, join: str):
+            self.join = join
 
         def __call__(self, graph: torch.fx.Graph) -> None:
-            split_conv_backwards(graph)
+            split_conv_backwards(graph, self.join)
 
         def uuid(self):
-            return "tr_hydra.split_conv_backward.v1"
+            return f"tr_hydra.split_conv_backward.v1.{self.join}"
 
         def __eq__(self, other):
-            return type(other).__name__ == type(self).__name__
+            return type(other).__name__ == type(self).__name__ and other.uuid() == self.uuid()
 
         def __hash__(self):
             return hash(self.uuid())
@@ -128,20 +219,21 @@ def _pass_class():
     return SplitConvBackward
 
 
-_PASS = None
+_PASSES: dict = {}
 
 
-def inductor_pass():
-    """The one pass object of this process (equal options compare equal across trainers)."""
-    global _PASS
-    if _PASS is None:
-        _PASS = _pass_class()()
-    return _PASS
+def inductor_pass(join: str = "conv"):
+    """The pass object for ``join`` (one per process: equal settings compare equal)."""
+    if join not in JOINS:
+        raise ValueError(f"runtime.backward_join: {join!r}; choose from {', '.join(JOINS)}")
+    if join not in _PASSES:
+        _PASSES[join] = _pass_class()(join)
+    return _PASSES[join]
 
 
-def inductor_options_for(streams: int, options: dict) -> dict:
+def inductor_options_for(streams: int, options: dict, join: str = "conv") -> dict:
     """``options`` with the pass added when ``streams`` is 2 (``runtime.inductor_options``
     cannot set the pass: plan_config refuses the name)."""
     if streams == 1:
         return options
-    return dict(options, post_grad_custom_post_pass=inductor_pass())
+    return dict(options, post_grad_custom_post_pass=inductor_pass(join))

@@ -172,12 +172,14 @@ class Trainer:
             user_options = bool(options)
             if pc.runtime.backward_streams == 2:
                 from tr_hydra.runtime.backward_streams import aux_stream, inductor_options_for
-                options = inductor_options_for(2, options)
+                options = inductor_options_for(2, options, pc.runtime.backward_join)
                 if self.device.type == "cuda":
                     aux_stream(self.device)  # made now, not first inside a capture
                 self.log("runtime.backward_streams=2: each convolution's weight gradient runs on a second stream, "
-                         "beside its input gradient" + ("" if self.device.type == "cuda"
-                                                        else " (on CPU the two still run one after the other)"))
+                         "beside its input gradient, joined "
+                         + ("before the convolution's backward ends" if pc.runtime.backward_join == "conv"
+                            else "after the next convolution's input gradient (runtime.backward_join=next)")
+                         + ("" if self.device.type == "cuda" else " (on CPU the two still run one after the other)"))
             if fresh_compile_for(pc.runtime.recompute, options):  # Dynamo's compiled code cleared: a compile will come
                 _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False, options=options) if options \
