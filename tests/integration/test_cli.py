@@ -222,9 +222,11 @@ def test_done_line_says_when_no_validation_ran(tmp_path):
     assert "2 steps" in done and "final val top1 n/a (the last epoch ran no validation)" in done and "nan" not in done
 
 
-def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path):
-    """A time limit's SIGTERM during the second cold mode: the first mode's results are in the
-    JSON (marked incomplete), the running mode's process is stopped and its caches deleted."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path, sig):
+    """A time limit's SIGTERM (or Ctrl-C's SIGINT) during the second cold mode: the first
+    mode's results are in the JSON (marked incomplete), the running mode's process is stopped
+    and its caches deleted, and no traceback."""
     import signal
     import time
     tmpdir = tmp_path / "tmp"
@@ -239,10 +241,10 @@ def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path
         time.sleep(0.05)  # the second mode's process has started
     assert p.poll() is None, "the run ended before the second mode started"
     time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(getattr(signal, sig))
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 143, stderr[-2000:]
-    assert "stopped by SIGTERM" in stderr
+    assert p.returncode == (143 if sig == "SIGTERM" else 130), stderr[-2000:]
+    assert f"tr-bench: stopped by {sig}" in stderr and "Traceback" not in stderr, stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["eager"]
     mix = res["epoch_mix"]

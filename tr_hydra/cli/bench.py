@@ -667,10 +667,11 @@ def main(argv: list[str] | None = None) -> int:
                 prev = _term_as_exception()
                 try:
                     out["epoch_mix"] = epoch_mix_cold(argv, pc, device, mm, out_path=b.out, on_progress=partial)
-                except _Terminated:
-                    print("tr-bench: stopped by SIGTERM; the modes that finished are in "
+                except (_Terminated, KeyboardInterrupt) as e:
+                    sig = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+                    print(f"tr-bench: stopped by {sig}; the modes that finished are in "
                           f"{b.out or 'bench.json'}", file=sys.stderr)
-                    return 143
+                    return 143 if sig == "SIGTERM" else 130
                 finally:
                     if prev is not None:
                         import signal
