@@ -148,3 +148,42 @@ def test_a_change_of_inductor_options_clears_dynamos_compiled_code(monkeypatch):
     seq = [None, {}, a, dict(reversed(list(a.items()))), {"coordinate_descent_tuning": False}, None]
     got = [recompute.fresh_compile_for("none", o) for o in seq]
     assert got == [False, False, True, False, True, True] and len(resets) == 3
+
+
+def test_a_second_trainer_with_another_recompute_mode_compiles_again_and_leaves_other_code_alone(
+        tmp_path, monkeypatch):
+    """Two trainers in one process, recompute none then pointwise. Dynamo's guards do not see
+    the partitioner options, so only dropping the first one's compiled forward makes the second
+    compile its own partition; a torch.compile function compiled before both keeps its code,
+    and torch._dynamo.reset is never called (it would reset reduce-overhead's CUDA graph trees)."""
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+    from torch._dynamo.utils import counters
+    from tr_hydra.runtime import recompute
+    from tr_hydra.runtime.runner import Trainer
+    torch._dynamo.reset()
+    monkeypatch.setattr(recompute, "_compiled_with", [])
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+    baseline = torch.compile(lambda x: torch.tanh(x) - 1, backend=backend)
+    x = torch.randn(4)
+    baseline(x)
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    new_graphs = {}
+    with ic.patch(fx_graph_cache=False), fc.patch(enable_autograd_cache=False):
+        for mode in ("none", "pointwise", "pointwise"):
+            torch.manual_seed(0)
+            pc = small_config(compile="inductor", train_size=64, batch=32, val_size=32, val_batch=32, epochs=1)
+            pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute=mode, precompile=0))
+            n0 = counters["stats"]["unique_graphs"]
+            Trainer(pc, tmp_path / mode, log=lambda *_: None).fit()
+            new_graphs.setdefault(mode, []).append(counters["stats"]["unique_graphs"] - n0)
+    assert new_graphs["none"][0] > 0
+    assert new_graphs["pointwise"][0] > 0, "the second trainer ran the first one's compiled forward"
+    assert new_graphs["pointwise"][1] == 0, "the same mode again should reuse the compiled code"
+    baseline(x)
+    assert len(compiles) == 1 and not resets

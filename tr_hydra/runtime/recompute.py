@@ -53,18 +53,49 @@ def with_recompute(forward, mode: str):
 _compiled_with: list = []  # (recompute mode, Inductor options) of this process's last compile
 
 
-def fresh_compile_for(mode: str, options: dict | None = None) -> bool:
-    """Before a model is compiled: clear Dynamo's compiled code if this process compiled the
-    same model code under another recompute mode or other Inductor options
-    (``runtime.inductor_options``). Dynamo guards a compiled forward on the module's structure,
-    not on the partitioner options, so a second trainer in one process (a sweep's next job, a
-    bench mode) would otherwise run the first one's partition: measured on the H200,
-    ``pointwise`` after ``none`` then kept exactly as much as ``none``. Returns whether it
-    cleared."""
+def fresh_compile_for(mode: str, options: dict | None = None, codes=()) -> bool:
+    """Before a model is compiled: drop Dynamo's compiled code for ``codes`` (the code objects
+    the trainer compiles: the model's forward, the loss) if this process compiled them under
+    another recompute mode or other Inductor options (``runtime.inductor_options``). Dynamo
+    guards a compiled forward on the module's structure, not on the partitioner options, so a
+    second trainer in one process (a sweep's next job, a bench mode) would otherwise run the
+    first one's partition: measured on the H200, ``pointwise`` after ``none`` then kept exactly
+    as much as ``none``. Only those code objects are cleared: ``torch._dynamo.reset()``, used
+    when no ``codes`` are given, also drops every other compiled function of the process and
+    resets ``torch.compile``'s CUDA graph trees under a reduce-overhead step built before (on
+    the H200 that step compiled and recorded again, and one such process crashed). Returns
+    whether it cleared."""
     key = (mode, tuple(sorted((options or {}).items())))
     changed = bool(_compiled_with) and _compiled_with[-1] != key
     if changed:
-        import torch._dynamo
-        torch._dynamo.reset()
+        if codes:
+            drop_compiled(codes)
+        else:
+            import torch._dynamo
+            torch._dynamo.reset()
     _compiled_with[:] = [key]
     return changed
+
+
+def drop_compiled(codes) -> int:
+    """Drop Dynamo's compiled entries for each code object of ``codes``, and for the resume
+    functions Dynamo made from them at graph breaks, so that their next call compiles anew.
+    Returns how many code objects were cleared."""
+    from torch._dynamo.eval_frame import reset_code
+    codes = [c for c in codes if c is not None]
+    targets = set(codes)
+    try:  # the code objects Dynamo has run (input_codes) and made (output_codes)
+        from torch._dynamo import convert_frame
+        seen = [w for book in (convert_frame.input_codes, convert_frame.output_codes)
+                for w in getattr(book, "seen", [])]
+    except ImportError:
+        seen = []
+    for weak in seen:
+        c = weak() if callable(weak) else weak
+        if c is not None and any(c.co_filename == t.co_filename
+                                 and c.co_name.startswith(f"torch_dynamo_resume_in_{t.co_name}_at_")
+                                 for t in codes):
+            targets.add(c)
+    for c in targets:
+        reset_code(c)
+    return len(targets)

@@ -180,7 +180,9 @@ class Trainer:
                          + ("before the convolution's backward ends" if pc.runtime.backward_join == "conv"
                             else "after the next convolution's input gradient (runtime.backward_join=next)")
                          + ("" if self.device.type == "cuda" else " (on CPU the two still run one after the other)"))
-            if fresh_compile_for(pc.runtime.recompute, options):  # Dynamo's compiled code cleared: a compile will come
+            from tr_hydra.runtime.executor import loss_and_metrics
+            codes = (getattr(model.forward, "__code__", None), loss_and_metrics.__code__)
+            if fresh_compile_for(pc.runtime.recompute, options, codes):  # compiled code dropped: a compile will come
                 _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False, options=options) if options \
                 else torch.compile(model, dynamic=False)
