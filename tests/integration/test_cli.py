@@ -143,6 +143,9 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
               "bench.modes=[eager,tr]", "bench.profile=true", f"bench.out={tmp_path / 'b.json'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "x best PyTorch" in out.stdout and "epoch mix" in out.stdout
+    for line in ("tr-bench: building eager (1/2)", "tr-bench: building tr (2/2)", "tr-bench: tr ready, first step after",
+                 "tr-bench: repeat 2/2 timed"):  # progress, on stderr
+        assert line in out.stderr, out.stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
     assert res["runtime"]["stem"] == "auto" and res["runtime"]["device"] == "auto"  # the run's settings

@@ -641,10 +641,17 @@ def main(argv: list[str] | None = None) -> int:
         modes = _modes(b.modes, device)
         if pc.data.name != "synthetic":  # the step is what is measured; data comes from the device
             pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="synthetic"))
-        built = [Mode(m, pc, device, b.warmup, b.single_buffer) for m in modes]
-        for _ in range(b.repeats):
+        built = []
+        for i, m in enumerate(modes):  # progress on stderr: building a compiled mode takes minutes
+            print(f"tr-bench: building {m} ({i + 1}/{len(modes)})", file=sys.stderr, flush=True)
+            built.append(Mode(m, pc, device, b.warmup, b.single_buffer))
+            print(f"tr-bench: {m} ready, first step after {built[-1].first_seconds:.1f}s",
+                  file=sys.stderr, flush=True)
+        for r in range(b.repeats):
             for m in built:  # interleaved repeats
                 m.time(b.steps)
+            if built:
+                print(f"tr-bench: repeat {r + 1}/{b.repeats} timed", file=sys.stderr, flush=True)
         records = [m.record() for m in built]
         out = {"config": pc.describe(), "runtime": dataclasses.asdict(pc.runtime), "device": str(device),
                "batch": pc.batch_size,
