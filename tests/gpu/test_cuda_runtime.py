@@ -304,3 +304,39 @@ def test_dynamic_batch_shares_one_graph_per_split_and_resolution(tmp_path, monke
     assert len(tr.graphs.train) == 2 * 4 and len(tr.graphs.val) == 2 * 2
     assert len(_debug_get_cache_entry_list(type(tr.model).forward.__code__)) == 3
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
+
+
+def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_path):
+    """tr-bench's situation: a torch.compile(mode="reduce-overhead") step built first, then two
+    trainers with different recompute modes. The trainers drop only their own compiled code,
+    so the baseline compiles nothing again and keeps its CUDA graph tree manager (a
+    torch._dynamo.reset() would have shut it down; on the H200 the step then compiled and
+    recorded again inside a timed repeat)."""
+    import dataclasses
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+    from tr_hydra.bench import pytorch_runner
+    from tr_hydra.runtime import recompute
+    torch._dynamo.reset()
+    recompute._compiled_with.clear()
+    step = pytorch_runner("resnet18", 16, 64, 10, "reduce-overhead", torch.device("cuda"), True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    idx = torch.cuda.current_device()
+    manager = cudagraph_trees.get_manager(idx, create_if_none_exists=False)
+    assert manager is not None
+    for mode in ("none", "pointwise"):
+        pc = small_config(model="resnet18", device="cuda", amp=True, compile="inductor", batch=16,
+                          train_size=32, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute=mode, precompile=0))
+        tr = Trainer(pc, tmp_path / mode, log=lambda *_: None, telemetry=False)
+        tr.capture()
+        tr.close()
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    assert counters["stats"]["unique_graphs"] == graphs, "the baseline compiled again"
+    assert cudagraph_trees.get_manager(idx, create_if_none_exists=False) is manager
+    recompute._compiled_with.clear()
