@@ -631,11 +631,13 @@ def main(argv: list[str] | None = None) -> int:
             from tr_hydra.errors import ConfigError
             raise ConfigError("bench.cold: applies to the epoch mix; add bench.epoch_mix=true")
         device = pick_device(pc)
+        from tr_hydra.runtime.runner import set_cudnn_benchmark_limit
+        set_cudnn_benchmark_limit(pc.runtime.cudnn_benchmark_limit)  # process-wide: the baselines get it too
         if b.data:
             out = end_to_end(pc, b, device)
             print(e2e_table(out["modes"]))
-            if pc.runtime.inductor_options:
-                print(options_line(pc))
+            for line in settings_lines(pc):
+                print(line)
             _write(out, b.out)
             return 0
         modes = _modes(b.modes, device)
@@ -689,10 +691,21 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
         print(mix_table(out["epoch_mix"]))
-    if pc.runtime.inductor_options:
-        print(options_line(pc))
+    for line in settings_lines(pc):
+        print(line)
     _write(out, b.out)
     return 0
+
+
+def settings_lines(pc) -> list[str]:
+    """Under the tables: the process-wide settings every mode ran with, tr_hydra's and PyTorch's."""
+    lines = [options_line(pc)] if pc.runtime.inductor_options else []
+    if pc.runtime.cudnn_benchmark_limit is not None:
+        lim = pc.runtime.cudnn_benchmark_limit
+        lines.append(f"cuDNN's algorithm search (runtime.cudnn_benchmark_limit={lim}), for tr_hydra and every "
+                     f"PyTorch mode alike: " + ("every algorithm timed" if lim == 0 else f"up to {lim} algorithms timed")
+                     + " per convolution shape")
+    return lines
 
 
 def options_line(pc) -> str:

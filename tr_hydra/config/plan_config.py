@@ -105,6 +105,7 @@ class RuntimeSpec:
     # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
     # (name, value) pairs: the spec stays hashable; ``dict(...)`` gives them back
     inductor_options: tuple = ()
+    cudnn_benchmark_limit: int | None = None  # torch.backends.cudnn.benchmark_limit (None: PyTorch's own)
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,9 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
     _check(runtime.backward_streams in (1, 2) and not isinstance(runtime.backward_streams, bool),
            "runtime.backward_streams", f"must be 1 or 2, got {runtime.backward_streams!r}")
+    lim = runtime.cudnn_benchmark_limit
+    _check(lim is None or (isinstance(lim, int) and not isinstance(lim, bool) and lim >= 0),
+           "runtime.cudnn_benchmark_limit", f"must be null or a count >= 0 (0: every algorithm), got {lim!r}")
     _check(runtime.precompile == "auto" or (isinstance(runtime.precompile, int)
                                             and not isinstance(runtime.precompile, bool)
                                             and runtime.precompile >= 0),

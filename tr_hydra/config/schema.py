@@ -203,6 +203,7 @@ class RuntimeConfig:
     backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side
     backward_join: BackwardJoin = BackwardJoin.conv  # with backward_streams=2: where the weight gradient's stream joins
     inductor_options: Any = None  # with Inductor: torch.compile(options=...) for the model's step (null: none)
+    cudnn_benchmark_limit: Optional[int] = None  # cuDNN algorithms timed per convolution (null: PyTorch's 10; 0: all)
 
 
 @dataclass

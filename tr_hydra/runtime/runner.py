@@ -30,7 +30,19 @@ def pick_device(pc: PlanConfig) -> torch.device:
     return torch.device(want)
 
 
+_PYTORCH_CUDNN_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's own default (10)
+
+
+def set_cudnn_benchmark_limit(limit: int | None) -> None:
+    """``runtime.cudnn_benchmark_limit``: how many of cuDNN's algorithms ``cudnn.benchmark``
+    times for each convolution shape (0: every one cuDNN offers). None restores PyTorch's own
+    default, so a trainer after one with a limit in the same process gets the default back.
+    A process-wide setting: ``tr-bench`` sets it once, for its PyTorch modes too."""
+    torch.backends.cudnn.benchmark_limit = _PYTORCH_CUDNN_LIMIT if limit is None else int(limit)
+
+
 def set_determinism(pc: PlanConfig) -> None:
+    set_cudnn_benchmark_limit(pc.runtime.cudnn_benchmark_limit)
     if pc.runtime.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
