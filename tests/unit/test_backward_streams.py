@@ -207,4 +207,3 @@ def test_changing_backward_streams_clears_dynamos_compiled_code(monkeypatch):
     assert recompute.fresh_compile_for("none", bs.inductor_options_for(2, {}, "next"))
     assert recompute.fresh_compile_for("none", bs.inductor_options_for(1, {}))
     assert len(calls) == 3
-
