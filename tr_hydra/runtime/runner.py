@@ -193,7 +193,9 @@ class Trainer:
                             else "after the next convolution's input gradient (runtime.backward_join=next)")
                          + ("" if self.device.type == "cuda" else " (on CPU the two still run one after the other)"))
             from tr_hydra.runtime.executor import loss_and_metrics
-            codes = (getattr(model.forward, "__code__", None), loss_and_metrics.__code__)
+            fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
+            # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
+            codes = (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ()
             if fresh_compile_for(pc.runtime.recompute, options, codes):  # compiled code dropped: a compile will come
                 _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False, options=options) if options \
