@@ -238,7 +238,10 @@ def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path
         "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1", "bench.modes=[eager]",
         "bench.steps=2", "bench.repeats=1", "bench.warmup=1", "bench.epoch_mix=true",
         "bench.epoch_mix_modes=[eager,tr]", "bench.cold=true", f"bench.out={tmp_path / 'b.json'}"],
-        cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmpdir)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmpdir)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a shell's background job starts with SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt: give the run the default disposition, as a terminal's would have
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not list(tmpdir.glob("tr_bench_cold_tr_*")) and p.poll() is None and time.time() - t0 < 300:
         time.sleep(0.05)  # the second mode's process has started
