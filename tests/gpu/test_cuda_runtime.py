@@ -340,3 +340,27 @@ def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_p
     assert counters["stats"]["unique_graphs"] == graphs, "the baseline compiled again"
     assert cudagraph_trees.get_manager(idx, create_if_none_exists=False) is manager
     recompute._compiled_with.clear()
+
+
+@pytest.mark.parametrize("compile", ["none", "inductor"])
+def test_a_padded_last_validation_batch_replays_val_base_with_the_same_metrics(tmp_path, compile):
+    """variants.pad_last_val: one validation graph fewer, and the captured val_base graph, fed
+    6 samples in a 32-row buffer, gives the metrics of the run with its own val_last graph."""
+    import dataclasses
+    import math
+    kw = dict(device="cuda", compile=compile, train_size=200, batch=32, val_size=70, val_batch=32,
+              amp=True, epochs=1, ema=True)
+    out = {}
+    for pad in (False, True):
+        pc = small_config(pad_last_val=pad, **kw)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=0, deterministic=True))
+        tr = _train(pc, tmp_path, f"pad_{pad}")
+        assert tr.graphs is not None
+        assert sorted({v for v, _ in tr.graphs.val}) == (["val_base"] if pad else ["val_base", "val_last"])
+        out[pad] = tr.validate()
+    for split in ("val", "val_ema"):
+        a, b = out[False][split], out[True][split]
+        assert a["count"] == b["count"] == 70  # padding counted in would make 96
+        # the same weights (deterministic training): at most one sample's difference in rounding
+        assert abs(a["top1"] - b["top1"]) <= 100 / 70 + 1e-9 and abs(a["top5"] - b["top5"]) <= 100 / 70 + 1e-9, (a, b)
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-3), (a, b)

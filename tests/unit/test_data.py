@@ -257,6 +257,25 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
         assert len(src._streams["val"].fed) >= 1
 
 
+def test_a_padded_last_validation_batch_stays_in_the_validation_stream(tmp_path):
+    """``variants.pad_last_val``: no val_last variant, but the partial last batch is still the
+    validation stream's, decoded ahead and wrapped like the others, not a new stream."""
+    make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
+    pc = folder_config(tmp_path, train=13, val=13)
+    pc = dataclasses.replace(pc, pad_last_val=True, variants=small_config(
+        train_size=13, val_size=13, batch=4, val_batch=4, res=16, val_res=16, pad_last_val=True).variants)
+    assert not pc.has_variant("val_last")
+    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    stream = None
+    for i in (0, 1, 2, 3, 0, 1, 2, 3):
+        size = 1 if i == 3 else 4
+        got = src.batch("val", i, 4, size, 16)
+        assert np.array_equal(_dense(got), _dense(ref._decode("val", i, 4, size, 16)))
+        stream = stream or src._streams["val"]
+        assert src._streams["val"] is stream, i  # one stream, the partial batch included
+
+
 def _draw(src, plan):
     return [_dense(src.batch("train", i, 4, size, res, epoch=e)).copy() for e, i, size, res in plan]
 

@@ -111,8 +111,14 @@ def test_bn_folding_gives_the_same_logits(tmp_path):
     assert not torch.equal(plain, folded)  # a different computation, not the same path
 
 
-def test_val_metrics_match_eager_reference(tmp_path):
-    tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32)
+@pytest.mark.parametrize("pad", [False, True], ids=["val_last", "padded"])
+def test_val_metrics_match_eager_reference(tmp_path, pad):
+    """With ``variants.pad_last_val`` the last 6 samples run in val_base's 32-row graph, the
+    rest of the buffer left from the batch before: the metrics still count exactly those 6."""
+    tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32, pad_last_val=pad)
+    assert tr.pc.has_variant("val_last") is not pad
+    if pad:
+        assert val_schedule(tr.pc)[-1] == ("val_base", 2, 6)
     tr.fit()
     out = tr.validate()["val"]
     tr.model.eval()
@@ -150,6 +156,49 @@ def test_six_variants_and_epoch_schedules():
     assert {v for v, _, _ in e2} == {"train_base", "train_last"}
     assert sum(size for _, _, size in e0) == 200  # nothing dropped
     assert sum(size for _, _, size in val_schedule(pc)) == 70
+
+
+def test_a_padded_last_validation_batch_needs_no_variant_of_its_own():
+    pc = small_config(train_size=200, batch=32, val_size=70, val_batch=32, lowres_epochs=2, epochs=3,
+                      pad_last_val=True)
+    assert [v.name for v in pc.variants] == ["train_base", "train_last", "train_lowres", "train_lowres_last",
+                                             "val_base"]  # the training last batches keep theirs
+    assert val_schedule(pc) == [("val_base", 0, 32), ("val_base", 1, 32), ("val_base", 2, 6)]
+    even = small_config(val_size=64, val_batch=32, pad_last_val=True)
+    assert val_schedule(even) == [("val_base", 0, 32), ("val_base", 1, 32)]  # nothing to pad
+    from tr_hydra.cli._common import compose
+    from tr_hydra.config.plan_config import plan_config_from
+    assert plan_config_from(compose([])).pad_last_val is False
+    pc = plan_config_from(compose(["variants.pad_last_val=true", "variants.val_size=70", "variants.val_batch_size=32"]))
+    assert pc.pad_last_val and not pc.has_variant("val_last") and pc.has_variant("val_base")
+    from tr_hydra.cli.plan import plan_table
+    assert "val_base also runs the last validation batch of 6, padded" in plan_table(compile_plan(pc))
+
+
+def test_padded_rows_count_nowhere_even_when_their_logits_are_not_finite():
+    from tr_hydra.runtime.executor import loss_and_metrics
+    torch.manual_seed(0)
+    k, n, b = 10, 6, 16
+    logits = torch.randn(b, k)
+    labels = torch.randint(0, k, (b,), dtype=torch.int32)
+    labels[n:] = -1
+    logits[n:] = float("nan")  # whatever the buffer held
+    logits[n + 1:, 3] = float("inf")
+    classes = torch.arange(k)
+
+    def run(lg, lb, masked):
+        m = lg.shape[0]
+        result = torch.zeros(4)
+        loss_and_metrics(lg, lb, classes, torch.ones(()), torch.empty(m, k), torch.empty(m, k), None,
+                         torch.empty(m, dtype=torch.int32), result, 0.0, float(m), masked)
+        return result
+    got = run(logits, labels, True)
+    ref = run(logits[:n], labels[:n], False)  # the same samples, no padding
+    assert torch.isfinite(got).all()
+    assert got[3] == n and torch.equal(got[1:3], ref[1:3])
+    assert torch.allclose(got[0], ref[0], rtol=1e-6)
+    assert math.isclose(got[0].item(), F.cross_entropy(logits[:n], labels[:n].long(), reduction="sum").item(),
+                        rel_tol=1e-5)
 
 
 def test_drop_last_removes_last_variants():
@@ -417,3 +466,22 @@ def test_inductor_options_without_inductor_are_said_to_do_nothing(tmp_path):
     said = [str(ln) for ln in logs if "has no effect without Inductor" in str(ln)]
     assert said == ["runtime.recompute=pointwise has no effect without Inductor (runtime.compile)",
                     "runtime.inductor_options has no effect without Inductor (runtime.compile)"], logs
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_only_a_validation_batch_with_pad_last_val_may_fill_part_of_a_buffer(tmp_path, pad):
+    tr = _trainer(tmp_path, val_size=70, val_batch=32, pad_last_val=pad)
+    x, y = tr.source.batch("val", 2, 32, 6, 16)
+    full_x, full_y = tr.source.batch("val", 0, 32, 32, 16)
+    tr.feeder.put("B", "val_base", (full_x, full_y))
+    if pad:
+        tr.feeder.put("B", "val_base", (x, y))
+        img, lab = tr.ex.input_views("val_base", "B")
+        assert torch.equal(lab[:6], y) and (lab[6:] == -1).all()
+        assert torch.equal(img[:6], x) and torch.equal(img[6:], full_x[6:])  # the rest left as it was
+    else:
+        with pytest.raises(ValueError, match="does not fit"):
+            tr.feeder.put("B", "val_base", (x, y))
+    tx, ty = tr.source.batch("train", 0, 32, 6, 16)
+    with pytest.raises(ValueError, match="does not fit"):  # training never pads
+        tr.feeder.put("A", "train_base", (tx, ty))

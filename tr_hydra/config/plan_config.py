@@ -139,6 +139,7 @@ class PlanConfig:
     lowres_epochs: int = 0
     train_size: int = 0
     val_size: int = 0
+    pad_last_val: bool = False  # the partial last validation batch runs in val_base, padded and masked
     amp: bool = False
     amp_dtype: str = "bf16"
     ema: bool = False
@@ -189,8 +190,9 @@ class PlanConfig:
 
 def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
                   base_res: int, lowres_res: int, lowres_epochs: int, val_res: int,
-                  drop_last: bool) -> tuple[VariantSpec, ...]:
-    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists."""
+                  drop_last: bool, pad_last_val: bool = False) -> tuple[VariantSpec, ...]:
+    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists
+    (for validation, not with ``pad_last_val``: that batch then runs in val_base's graph)."""
     if batch_size > train_size:
         raise ConfigError(f"variants.batch_size={batch_size} exceeds the training set size "
                           f"({train_size}); use a batch of at most {train_size}")
@@ -205,7 +207,7 @@ def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_
     vb = min(val_batch_size, val_size)
     if vb > 0:
         out.append(VariantSpec("val_base", False, vb, val_res))
-        if val_size % vb:
+        if val_size % vb and not pad_last_val:
             out.append(VariantSpec("val_last", False, val_size % vb, val_res))
     return tuple(out)
 
@@ -387,11 +389,12 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     variants = make_variants(train_size=train_size, val_size=val_size, batch_size=v.batch_size,
                              val_batch_size=v.val_batch_size, base_res=v.base_res,
                              lowres_res=v.lowres_res, lowres_epochs=v.lowres_epochs,
-                             val_res=v.val_res, drop_last=data.drop_last)
+                             val_res=v.val_res, drop_last=data.drop_last, pad_last_val=bool(v.pad_last_val))
     return PlanConfig(model=model, optimizer=opt, data=data, trainer=trainer, runtime=runtime,
                       dist=dspec, world_size=world_size,
                       variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
+                      pad_last_val=bool(v.pad_last_val),
                       amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
                       bn_folded=bool(cfg.plan.bn_folded),

@@ -166,6 +166,7 @@ class VariantsConfig:
     val_res: int = 32
     train_size: Optional[int] = None  # overrides data.train_size (decides the last-batch variants)
     val_size: Optional[int] = None
+    pad_last_val: bool = False  # the partial last validation batch runs in val_base's graph, masked
 
 
 @dataclass

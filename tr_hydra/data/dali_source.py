@@ -297,7 +297,8 @@ class DaliSource:
         res, batch = key
         n = len(self.order(split, epoch))
         last = ("train_last", "train_lowres_last") if split == "train" else ("val_last",)
-        count = n // batch + (1 if n % batch and any(self.pc.has_variant(v) for v in last) else 0)
+        partial = any(self.pc.has_variant(v) for v in last) or (split != "train" and self.pc.pad_last_val)
+        count = n // batch + (1 if n % batch and partial else 0)
         if index + 1 < count:
             return epoch, index + 1
         if split != "train":

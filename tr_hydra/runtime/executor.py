@@ -27,10 +27,12 @@ BUFFERS = ("A", "B")
 
 
 def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pred_out, result,
-                     eps: float, grad_div: float) -> None:
+                     eps: float, grad_div: float, masked: bool = False) -> None:
     """Loss, d(mean loss)/d logits (times the loss scale; only when ``gslot`` is given), top-1
     and top-5 hits, written into their arena views. Plain torch: the same code runs eagerly or
-    compiled by Inductor (a few fused kernels instead of twenty small ones)."""
+    compiled by Inductor (a few fused kernels instead of twenty small ones). ``masked``: rows
+    labelled -1 are padding (``variants.pad_last_val``) and count nowhere: not in the loss,
+    the hits or the sample count."""
     b, k = logits.shape
     feat.copy_(logits)
     lf = feat.float()
@@ -39,7 +41,11 @@ def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pre
     hit = (classes.unsqueeze(0) == y.unsqueeze(1)).to(dist.dtype)
     dist.copy_(hit * (1.0 - eps) + eps / k)
     logp = F.log_softmax(lf, dim=1)
-    loss_sum = -(dist * logp).sum()
+    if masked:  # a padded row's logits may be anything, NaN included: selected out, not multiplied
+        valid = y >= 0
+        loss_sum = torch.where(valid, -(dist * logp).sum(1), 0.0).sum()
+    else:
+        loss_sum = -(dist * logp).sum()
     if gslot is not None:
         gslot.copy_((logp.exp() - dist) * (loss_scale / grad_div))
     pred = lf.argmax(1)
@@ -47,7 +53,8 @@ def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pre
     top = lf.topk(min(5, k), dim=1).indices
     correct1 = (pred == y).sum()
     correct5 = (top == y.unsqueeze(1)).any(1).sum()
-    result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(), torch.full_like(loss_sum, b)]))
+    count = valid.sum().to(loss_sum.dtype) if masked else torch.full_like(loss_sum, b)
+    result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(), count]))
 
 
 def _dense_order(t: torch.Tensor) -> tuple | None:
@@ -448,7 +455,8 @@ class StepExecutor:
                           self._variant_view("logits", ctx.variant),
                           self._variant_view("temp.label_dist", ctx.variant), gslot,
                           self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1),
-                          self.result, eps, float(b * self.dist.world_size))
+                          self.result, eps, float(b * self.dist.world_size),
+                          not train and self.pc.pad_last_val)
 
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
