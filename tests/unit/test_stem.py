@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tr_hydra.config.plan_config import RuntimeSpec
-from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d, eligible, space_to_depth_stem
+from tr_hydra.models.stem import (ImageConv2d, SpaceToDepthConv2d, eligible, image_input_recomputed,
+                                   space_to_depth_stem)
 from tr_hydra.runtime.runner import Trainer, epoch_schedule
 
 from tests.helpers import small_config
@@ -37,6 +38,41 @@ def test_space_to_depth_conv_equals_conv2d(k, p, hw, bias):
     assert s2d.weight.shape == (8, 3, k, k)
 
 
+@pytest.mark.parametrize("stride,k,p", [(2, 7, 3), (2, 3, 1), (1, 3, 1)])
+@pytest.mark.parametrize("multiple", [8, 16, 5])
+def test_a_stem_reading_zero_padded_channels_equals_conv2d(stride, k, p, multiple, monkeypatch):
+    """runtime.stem_channels: the convolution over the image (folded, at stride 2) reads its input
+    and kernel with zero channels up to the multiple; output and both gradients equal PyTorch's
+    conv in float64, the weight keeps its shape, and the channels read are the padded count."""
+    torch.manual_seed(stride * 100 + k * 10 + multiple)
+    ref = nn.Conv2d(3, 8, k, stride, p, bias=True).double()
+    m = nn.Conv2d(3, 8, k, stride, p, bias=True).double()
+    m.load_state_dict(ref.state_dict())
+    convert = space_to_depth_stem if stride == 2 else image_input_recomputed
+    assert convert(nn.Sequential(m), ["0"], multiple) == ["0"]
+    assert type(m) is (SpaceToDepthConv2d if stride == 2 else ImageConv2d) and m.channel_multiple == multiple
+    c = 12 if stride == 2 else 3
+    assert m.read_channels() == -(-c // multiple) * multiple  # 12 -> 16 or 15, 3 -> 8 or 16 or 5
+    seen = []
+    real = F.conv2d
+
+    def spy(x, w, *a, **kw):  # both modules end in F.conv2d (ImageConv2d through _conv_forward)
+        seen.append((x.shape[1], w.shape[1]))
+        return real(x, w, *a, **kw)
+    x = torch.randn(2, 3, 15, 17, dtype=torch.float64, requires_grad=True)
+    y_ref = ref(x)
+    monkeypatch.setattr(F, "conv2d", spy)
+    y = m(x)
+    monkeypatch.undo()
+    assert seen == [(m.read_channels(), m.read_channels())]
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    go = torch.randn_like(y_ref)
+    for a, b in zip(torch.autograd.grad(y, [x, m.weight, m.bias], go),
+                    torch.autograd.grad(y_ref, [x, ref.weight, ref.bias], go)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert m.weight.shape == (8, 3, k, k) and m.state_dict().keys() == ref.state_dict().keys()
+
+
 def test_only_thin_stride_two_convs_qualify():
     assert eligible(nn.Conv2d(3, 64, 7, 2, 3))
     assert eligible(nn.Conv2d(4, 64, 3, 2, 1))
@@ -49,14 +85,15 @@ def test_only_thin_stride_two_convs_qualify():
     assert not eligible(nn.Conv2d(3, 64, (3, 5), 2, 1))
 
 
-def _trainer(tmp_path, stem, model):
+def _trainer(tmp_path, stem, model, stem_channels=None, log=lambda *_: None):
     pc = small_config(model=model, batch=8, train_size=24, val_size=8, res=32, val_res=32, lowres_res=32)
-    pc = type(pc)(**{**pc.__dict__, "runtime": RuntimeSpec(device="cpu", compile="none", stem=stem)})
-    return Trainer(pc, tmp_path / stem, log=lambda *_: None)
+    pc = type(pc)(**{**pc.__dict__, "runtime": RuntimeSpec(device="cpu", compile="none", stem=stem,
+                                                            stem_channels=stem_channels)})
+    return Trainer(pc, tmp_path / f"{stem}{stem_channels or ''}", log=log)
 
 
-def _one_step(tmp_path, stem, model):
-    tr = _trainer(tmp_path, stem, model)
+def _one_step(tmp_path, stem, model, stem_channels=None, log=lambda *_: None):
+    tr = _trainer(tmp_path, stem, model, stem_channels, log)
     before = {k: v.clone() for k, v in tr.final_state_dict().items()}
     tr.run_steps(epoch_schedule(tr.pc, 0)[:1], "train")
     return tr, before, tr.final_state_dict()
@@ -87,6 +124,35 @@ def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
     assert moved > 50 and "conv1.weight" in got and got["conv1.weight"].shape == (64, 3, 7, 7)
 
 
+@pytest.mark.parametrize("model,stem,reads", [("resnet18", "space_to_depth", 16), ("resnet18_cifar", "conv", 8)])
+def test_a_step_reading_the_image_in_padded_channels_equals_the_plain_step(tmp_path, model, stem, reads):
+    """runtime.stem_channels in a trainer: the stem (folded, or CIFAR's plain 3x3) reads its
+    input in zero-padded channels, the run says so, and one fp32 step moves every tensor as the
+    unpadded step does (zero channels add exact zeros: the same sums; measured equal or within
+    fp32 rounding)."""
+    lines = []
+    tr, before, got = _one_step(tmp_path, stem, model, 8 if reads == 8 else 16, lines.append)
+    assert tr.model.conv1.read_channels() == reads and tr.model.conv1.weight.shape[1] == 3
+    assert f"runtime.stem_channels: conv1 reads {reads} channels" in lines
+    _, ref_before, want = _one_step(tmp_path, stem, model)
+    for key, w in want.items():
+        assert torch.equal(before[key], ref_before[key]), key
+        change = (w.double() - before[key].double()).norm()
+        if w.is_floating_point() and change > 0:
+            assert ((got[key].double() - w.double()).norm() / change).item() <= 1e-4, key
+
+
+def test_stem_channels_is_checked():
+    from tr_hydra.cli._common import compose
+    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.errors import ConfigError
+    assert plan_config_from(compose([])).runtime.stem_channels is None
+    assert plan_config_from(compose(["runtime.stem_channels=16"])).runtime.stem_channels == 16
+    for bad in ("0", "65", "-8"):
+        with pytest.raises(ConfigError, match=r"runtime.stem_channels: must be null or a channel multiple"):
+            plan_config_from(compose([f"runtime.stem_channels={bad}"]))
+
+
 def test_auto_keeps_the_conv_on_cpu_and_a_stride_one_stem_stays(tmp_path):
     tr = _trainer(tmp_path, "auto", "resnet18")
     assert tr.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
@@ -102,11 +168,17 @@ def test_stem_bench_runs_and_checks_the_fold(tmp_path):
     from tr_hydra.models.stem_bench import main
     out = tmp_path / "stem.json"
     assert main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())["cases"]["tiny"]
+    cases = json.loads(out.read_text())["cases"]
+    res = cases["tiny"]
     for key in ("conv_c3_fwd_ms", "conv_c8_wgrad_ms", "plain_eager_fwd_wgrad_ms", "s2d_eager_fwd_wgrad_ms",
-                "s2d_conv_only_fwd_wgrad_ms", "s2d_fold_input_ms"):
+                "s2d_c16_eager_fwd_wgrad_ms", "plain_c8_eager_fwd_wgrad_ms", "s2d_conv_only_fwd_wgrad_ms",
+                "s2d_c16_conv_only_fwd_ms", "s2d_c16_conv_only_wgrad_ms", "s2d_fold_input_ms"):
         assert res[key] > 0, key
-    assert res["max_abs_err_s2d"] < 1e-4 and res["max_abs_err_plain"] < 1e-4
+    for form in ("plain", "plain_c8", "s2d", "s2d_c16"):
+        assert res[f"max_abs_err_{form}"] < 1e-4, form
+    s1 = cases["tiny_s1"]  # a stride-1 stem: nothing to fold
+    assert s1["max_abs_err_plain_c8"] < 1e-4 and s1["plain_c8_eager_fwd_wgrad_ms"] > 0
+    assert not [k for k in s1 if k.startswith("s2d")]
 
 
 def test_bn_folding_and_validation_read_the_folded_stem(tmp_path):

@@ -66,6 +66,19 @@ def fold_input(x: torch.Tensor, k: int, p: int) -> torch.Tensor:
     return xp.reshape(n, c, lh // 2, 2, lw // 2, 2).permute(0, 3, 5, 1, 2, 4).reshape(n, 4 * c, lh // 2, lw // 2)
 
 
+def extra_channels(c: int, multiple: int | None) -> int:
+    """Zero channels that bring ``c`` up to a multiple of ``multiple`` (``runtime.stem_channels``;
+    None: none)."""
+    return 0 if not multiple else -c % multiple
+
+
+def pad_channels(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """``t`` (N, C, H, W) or a weight (O, C, kh, kw) with ``extra`` zero channels after its C.
+    A convolution over zero channels with zero weights adds nothing, so the output is the same;
+    the weight's gradient flows back through the pad (a slice) into the real channels."""
+    return F.pad(t, (0, 0, 0, 0, 0, extra)) if extra else t
+
+
 def as_computed(x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     """The image as the convolution reads it: in autocast's compute dtype (the input buffer may
     hold another 16-bit type, as DALI writes it) and in ``fmt``'s layout."""
@@ -98,46 +111,68 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
 
 
 class SpaceToDepthConv2d(nn.Conv2d):
-    """A Conv2d (same parameters, same ``state_dict``) whose forward is the space-to-depth form."""
+    """A Conv2d (same parameters, same ``state_dict``) whose forward is the space-to-depth form.
+    With ``channel_multiple`` (``runtime.stem_channels``) the folded image and kernel get zero
+    channels up to that multiple (ResNet-50's 12 to 16), in the same copy."""
+
+    channel_multiple: int | None = None
+
+    def read_channels(self) -> int:
+        """Channels the convolution reads: the fold's, padded."""
+        c = 4 * self.in_channels
+        return c + extra_channels(c, self.channel_multiple)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, p = self.kernel_size[0], self.padding[0]
         fmt = _layout(x)
-        xs = recomputed(lambda a: as_computed(fold_input(a, k, p), fmt), x)
-        ws = fold_weight(self.weight, p).contiguous(memory_format=fmt)
+        extra = extra_channels(4 * self.in_channels, self.channel_multiple)
+        xs = recomputed(lambda a: as_computed(pad_channels(fold_input(a, k, p), extra), fmt), x)
+        ws = pad_channels(fold_weight(self.weight, p), extra).contiguous(memory_format=fmt)
         return F.conv2d(xs, ws, self.bias, 1, 0)
 
 
 class ImageConv2d(nn.Conv2d):
     """A Conv2d over the image (same parameters, same ``state_dict``, the same convolution) whose
     input copy (cast and made contiguous) is recomputed in the backward rather than kept; see
-    ``recomputed``. For the stems the space-to-depth form leaves alone (CIFAR's stride 1)."""
+    ``recomputed``. For the stems the space-to-depth form leaves alone (CIFAR's stride 1). With
+    ``channel_multiple`` the copy and the weight get zero channels up to that multiple."""
+
+    channel_multiple: int | None = None
+
+    def read_channels(self) -> int:
+        return self.in_channels + extra_channels(self.in_channels, self.channel_multiple)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = _layout(x)
-        return self._conv_forward(recomputed(lambda a: as_computed(a, fmt), x), self.weight, self.bias)
+        extra = extra_channels(self.in_channels, self.channel_multiple)
+        # contiguous in fmt: on the CPU the arena's channels_last weight is read as NCHW
+        # (nchw_compute_on_cpu); on CUDA it is channels_last already, and this is a no-op
+        w = pad_channels(self.weight, extra).contiguous(memory_format=fmt)
+        return self._conv_forward(recomputed(lambda a: as_computed(pad_channels(a, extra), fmt), x), w, self.bias)
 
 
-def image_input_recomputed(model: nn.Module, names) -> list[str]:
-    """Turn the named plain convolutions over the image into ``ImageConv2d`` in place."""
+def _convert(model: nn.Module, names, cls, channels: int | None, want=lambda m: True) -> list[str]:
     changed = []
     modules = dict(model.named_modules())
     for name in names:
         m = modules.get(name)
-        if m is not None and type(m) is nn.Conv2d:
-            m.__class__ = ImageConv2d
+        if m is not None and type(m) is nn.Conv2d and want(m):
+            m.__class__ = cls
+            if channels:
+                m.channel_multiple = channels
             changed.append(name)
     return changed
 
 
-def space_to_depth_stem(model: nn.Module, names: tuple[str, ...] | list[str]) -> list[str]:
+def image_input_recomputed(model: nn.Module, names, channels: int | None = None) -> list[str]:
+    """Turn the named plain convolutions over the image into ``ImageConv2d`` in place (reading
+    their input padded to a multiple of ``channels``, if given)."""
+    return _convert(model, names, ImageConv2d, channels)
+
+
+def space_to_depth_stem(model: nn.Module, names: tuple[str, ...] | list[str],
+                        channels: int | None = None) -> list[str]:
     """Turn the named convolutions (the ones that read the image) that qualify into
-    ``SpaceToDepthConv2d`` in place; returns the module names changed."""
-    changed = []
-    modules = dict(model.named_modules())
-    for name in names:
-        m = modules.get(name)
-        if m is not None and type(m) is nn.Conv2d and eligible(m):
-            m.__class__ = SpaceToDepthConv2d
-            changed.append(name)
-    return changed
+    ``SpaceToDepthConv2d`` in place (the fold padded to a multiple of ``channels``, if given);
+    returns the module names changed."""
+    return _convert(model, names, SpaceToDepthConv2d, channels, eligible)

@@ -1,10 +1,13 @@
-"""Time the stem convolution three ways: PyTorch's conv over 3 channels (and over the image padded
-to 4 or 8 channels), and the space-to-depth form (``tr_hydra.models.stem``), forward plus weight
-gradient (the image needs no gradient), eager and compiled.
+"""Time the stem convolution: PyTorch's conv over 3 channels (and over the image padded to 4 or 8
+channels), the same with the padding done in the step (``runtime.stem_channels=8``), and for a
+stride-2 stem the space-to-depth form (``tr_hydra.models.stem``), its 12 folded channels as they
+are and padded to 16 (``runtime.stem_channels=16``); forward plus weight gradient (the image
+needs no gradient), eager and compiled, and the folded convolution's forward and weight gradient
+alone.
 
     python3 -m tr_hydra.models.stem_bench [--out stem.json] [--device cuda|cpu] [--quick]
 
-Each case also checks that the space-to-depth output equals the plain conv's (fp32 reference).
+Each case also checks that every form's output equals the plain conv's (fp32 reference).
 """
 from __future__ import annotations
 
@@ -16,12 +19,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tr_hydra.models.stem import fold_input, fold_weight
+from tr_hydra.models.stem import extra_channels, fold_input, fold_weight, pad_channels
 
 # (name, batch, resolution, kernel, stride, padding)
 CASES = [("r50_b32", 32, 224, 7, 2, 3), ("r50_b256", 256, 224, 7, 2, 3), ("r50_b256_160", 256, 160, 7, 2, 3),
-         ("r50_b104", 104, 224, 7, 2, 3)]
-QUICK = [("tiny", 4, 32, 7, 2, 3)]
+         ("r50_b104", 104, 224, 7, 2, 3), ("cifar_b512", 512, 32, 3, 1, 1)]
+QUICK = [("tiny", 4, 32, 7, 2, 3), ("tiny_s1", 4, 16, 3, 1, 1)]
 
 
 def _timer(device: torch.device, n: int):
@@ -67,23 +70,39 @@ def run(device: torch.device, cases, n: int = 40, compiled: bool = True) -> dict
         def plain(x, w):
             return F.conv2d(x, w, None, s, p)
 
-        def s2d(x, w):
-            return F.conv2d(fold_input(x, k, p).contiguous(memory_format=fmt),
-                            fold_weight(w, p).contiguous(memory_format=fmt), None, 1, 0)
+        def padded(c):  # runtime.stem_channels=c: the image and kernel padded with zero channels
+            e = extra_channels(3, c)
+            return lambda x, w: F.conv2d(pad_channels(x, e).contiguous(memory_format=fmt),
+                                         pad_channels(w, e).contiguous(memory_format=fmt), None, s, p)
 
+        def folded(c):  # the space-to-depth form, its 12 channels padded to a multiple of c
+            e = extra_channels(12, c)
+            return lambda x, w: F.conv2d(pad_channels(fold_input(x, k, p), e).contiguous(memory_format=fmt),
+                                         pad_channels(fold_weight(w, p), e).contiguous(memory_format=fmt),
+                                         None, 1, 0)
+        forms = {"plain": plain, "plain_c8": padded(8)}
+        if s == 2:
+            forms |= {"s2d": folded(None), "s2d_c16": folded(16)}
         ref = F.conv2d(x.float(), w32, None, s, p)
-        res["max_abs_err_plain"] = (plain(x, w).float() - ref).abs().max().item()
-        res["max_abs_err_s2d"] = (s2d(x, w).float() - ref).abs().max().item()
+        for tag, f in forms.items():
+            res[f"max_abs_err_{tag}"] = (f(x, w).float() - ref).abs().max().item()
         go = torch.randn_like(ref, dtype=dt)
-        for tag, f in (("plain", plain), ("s2d", s2d)):
+        for tag, f in forms.items():
             res[f"{tag}_eager_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(f(x, w), w, go))
             if compiled:
                 cf = torch.compile(f, dynamic=False)
                 res[f"{tag}_compiled_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(cf(x, w), w, go))
-        xs = fold_input(x, k, p).contiguous(memory_format=fmt)
-        ws = fold_weight(w.detach(), p).contiguous(memory_format=fmt).requires_grad_()
-        res["s2d_conv_only_fwd_wgrad_ms"] = bench(lambda: torch.autograd.grad(F.conv2d(xs, ws, None, 1, 0), ws, go))
-        res["s2d_fold_input_ms"] = bench(lambda: fold_input(x, k, p).contiguous(memory_format=fmt))
+        if s == 2:
+            for tag, c in (("s2d", None), ("s2d_c16", 16)):  # the convolution alone, on its folded operands
+                e = extra_channels(12, c)
+                xs = pad_channels(fold_input(x, k, p), e).contiguous(memory_format=fmt)
+                ws = pad_channels(fold_weight(w.detach(), p), e).contiguous(memory_format=fmt).requires_grad_()
+                res[f"{tag}_conv_only_fwd_wgrad_ms"] = bench(
+                    lambda: torch.autograd.grad(F.conv2d(xs, ws, None, 1, 0), ws, go))
+                res[f"{tag}_conv_only_fwd_ms"] = bench(lambda: F.conv2d(xs, ws, None, 1, 0))
+                res[f"{tag}_conv_only_wgrad_ms"] = bench(lambda: torch.ops.aten.convolution_backward(
+                    go, xs, ws, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False]))
+            res["s2d_fold_input_ms"] = bench(lambda: fold_input(x, k, p).contiguous(memory_format=fmt))
         out["cases"][name] = res
         print(name, " ".join(f"{key}={v:.4f}" for key, v in res.items()), flush=True)
     return out

@@ -36,9 +36,9 @@ def nchw_compute_on_cpu(model: torch.nn.Module) -> None:
     a contiguous copy of its weight (the gradient flows back into the arena view in place) and a
     contiguous input. CUDA keeps channels_last end to end.
     """
-    from tr_hydra.models.stem import SpaceToDepthConv2d
+    from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d
     for m in model.modules():
-        if isinstance(m, torch.nn.Conv2d) and not isinstance(m, SpaceToDepthConv2d):  # that one already does
+        if isinstance(m, torch.nn.Conv2d) and not isinstance(m, (SpaceToDepthConv2d, ImageConv2d)):  # those already do
             def forward(x, _m=m):
                 return _m._conv_forward(x.contiguous(), _m.weight.contiguous(), _m.bias)
             m.forward = forward
