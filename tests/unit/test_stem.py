@@ -142,6 +142,15 @@ def test_a_step_reading_the_image_in_padded_channels_equals_the_plain_step(tmp_p
             assert ((got[key].double() - w.double()).norm() / change).item() <= 1e-4, key
 
 
+def test_tr_bench_says_under_its_table_that_the_stem_reads_padded_channels():
+    import dataclasses
+    from tr_hydra.cli.bench import settings_lines
+    pc = small_config(model="resnet18")
+    assert not [ln for ln in settings_lines(pc) if "stem_channels" in ln]
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem_channels=16))
+    assert [ln for ln in settings_lines(pc) if "multiple of 16 channels (runtime.stem_channels)" in ln]
+
+
 def test_stem_channels_is_checked():
     from tr_hydra.cli._common import compose
     from tr_hydra.config.plan_config import plan_config_from

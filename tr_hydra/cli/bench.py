@@ -705,6 +705,10 @@ def settings_lines(pc) -> list[str]:
         lines.append(f"cuDNN's algorithm search (runtime.cudnn_benchmark_limit={lim}), for tr_hydra and every "
                      f"PyTorch mode alike: " + ("every algorithm timed" if lim == 0 else f"up to {lim} algorithms timed")
                      + " per convolution shape")
+    if pc.runtime.stem_channels:
+        lines.append(f"tr_hydra's convolution over the image reads its input zero-padded to a multiple of "
+                     f"{pc.runtime.stem_channels} channels (runtime.stem_channels); the PyTorch modes run the "
+                     f"model's own")
     return lines
 
 
