@@ -275,3 +275,38 @@ def test_compiled_stem_keeps_the_input_buffer_not_its_copy(cls, stride):
         assert torch.equal(got["0.weight"], plain_grads["0.weight"])
     for k in want:  # the folded form: the same sums in another order (exact in float64, above)
         assert torch.allclose(got[k], want[k], rtol=2e-2, atol=2e-2 * want[k].abs().max().item()), k
+
+
+def _compiled_kernels(stride, multiple):
+    """Inductor's generated kernels for a compiled forward and backward of a stem over a
+    view of an fp16 NHWC input buffer padded to 4 channels, under bf16 autocast (CPU)."""
+    import re
+    import warnings
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    m = nn.Conv2d(3, 8, 7 if stride == 2 else 3, stride, 3 if stride == 2 else 1, bias=False)
+    (space_to_depth_stem if stride == 2 else image_input_recomputed)(nn.Sequential(m), ["0"], multiple)
+    x = torch.randn(2, 20, 20, 4, dtype=torch.float16)[..., :3].permute(0, 3, 1, 2)
+    f = torch.compile(lambda a: m(a), dynamic=False)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = f(x)
+        y.float().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, codes = run_and_get_code(step)
+    return [sorted(set(re.findall(r"cpp_fused_\w+", c))) for c in codes]
+
+
+@pytest.mark.parametrize("stride,multiple", [(2, 16), (1, 8)])
+def test_the_zero_channels_cost_no_kernel_of_their_own(stride, multiple):
+    """Compiled, the zero channels are written by the kernels that already copy the image (cast,
+    fold) and the kernel: the forward and the backward (which recomputes the copy) have as many
+    kernels with the padding as without, and the padding is inside them."""
+    plain, padded = _compiled_kernels(stride, None), _compiled_kernels(stride, multiple)
+    assert len(padded) == len(plain) == 2  # a forward and a backward
+    assert [len(k) for k in padded] == [len(k) for k in plain]
+    if stride == 1:  # the plain form has no pad at all: here each copy took it in
+        assert all("constant_pad_nd" in name for name in padded[0])
+        assert not any("constant_pad_nd" in name for ks in plain for name in ks)
