@@ -185,6 +185,9 @@ def test_stem_bench_runs_and_checks_the_fold(tmp_path):
         assert res[key] > 0, key
     for form in ("plain", "plain_c8", "s2d", "s2d_c16"):
         assert res[f"max_abs_err_{form}"] < 1e-4, form
+    assert main(["--device", "cpu", "--quick", "--cases", "tiny_s1", "--out", str(tmp_path / "one.json")]) == 0
+    assert list(json.loads((tmp_path / "one.json").read_text())["cases"]) == ["tiny_s1"]
+    assert main(["--device", "cpu", "--quick", "--cases", "nope", "--out", str(tmp_path / "x.json")]) == 2
     s1 = cases["tiny_s1"]  # a stride-1 stem: nothing to fold
     assert s1["max_abs_err_plain_c8"] < 1e-4 and s1["plain_c8_eager_fwd_wgrad_ms"] > 0
     assert not [k for k in s1 if k.startswith("s2d")]

@@ -5,7 +5,7 @@ are and padded to 16 (``runtime.stem_channels=16``); forward plus weight gradien
 needs no gradient), eager and compiled, and the folded convolution's forward and weight gradient
 alone.
 
-    python3 -m tr_hydra.models.stem_bench [--out stem.json] [--device cuda|cpu] [--quick]
+    python3 -m tr_hydra.models.stem_bench [--out stem.json] [--device cuda|cpu] [--quick] [--cases r50_b256,cifar_b512]
 
 Each case also checks that every form's output equals the plain conv's (fp32 reference).
 """
@@ -112,13 +112,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tr_hydra.models.stem_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="stem_bench.json")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="one tiny case, eager only (a check of the logic)")
+    ap.add_argument("--quick", action="store_true", help="tiny cases, eager only (a check of the logic)")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names (default: all): " + ",".join(c[0] for c in CASES))
     a = ap.parse_args(argv)
+    cases = QUICK if a.quick else CASES
+    if a.cases:
+        known = {c[0]: c for c in cases}
+        wanted = [n for n in a.cases.split(",") if n]
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            print(f"stem_bench: error: unknown case {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+        cases = [known[n] for n in wanted]
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("stem_bench: error: --device cuda, but CUDA is not available", file=sys.stderr)
         return 2
-    out = run(device, QUICK if a.quick else CASES, n=3 if a.quick else 40, compiled=not a.quick)
+    out = run(device, cases, n=3 if a.quick else 40, compiled=not a.quick)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"results in {a.out}")
