@@ -208,3 +208,50 @@ def test_a_child_steps_the_variants_that_share_its_graph_after_its_own():
     finally:
         pre.close()
     assert s["val_base"]["ok"] and s["val_base"]["variants"] == ["val_base", "val_last"], s
+
+
+_KILLED_PARENT = r"""
+import os, signal, sys, time
+sys.path[:0] = [{root!r}]
+from tests.helpers import small_config
+from tr_hydra.runtime import precompile as pcm
+pre = pcm.Precompiler(small_config(train_size=80, val_size=40), [("val_base", False)], workers=1,
+                      log=lambda *_: None)
+c = pre.children[0]
+print(c.proc.pid, c.log_path, flush=True)
+time.sleep({delay})
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no finally: as the out-of-memory killer does
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(ln.startswith("State:") and "Z" in ln.split()[1] for ln in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("delay", [0.0, 0.5])  # dead before the child links itself to it, and after (while it imports torch)
+def test_a_child_ends_with_a_trainer_killed_outright(delay):
+    """A trainer killed with SIGKILL leaves no compile running: its child ends without finishing
+    its step (a child left alone runs it to the end and reports its counters, as the tests
+    above check), whether the parent died before the child linked itself to it or after."""
+    import os
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", _KILLED_PARENT.format(root=root, delay=delay)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode == -9, p.stderr
+    pid, log_path = p.stdout.split()
+    deadline = time.time() + 60
+    while _alive(int(pid)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(pid)), "the child outlived its killed parent"
+    with open(log_path) as f:
+        text = f.read()
+    assert not [ln for ln in text.splitlines() if ln.startswith("{")], text  # it never finished its step
+    os.remove(log_path)

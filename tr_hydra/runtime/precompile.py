@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspaces per child
+PARENT_VAR = "TR_HYDRA_PRECOMPILE_PARENT"  # the pid of the process that started a child
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -94,7 +96,8 @@ class Precompiler:
         import tr_hydra
         root = os.path.dirname(os.path.dirname(os.path.abspath(tr_hydra.__file__)))
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}  # a child joins no group
-        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+                         **{PARENT_VAR: str(os.getpid())})
         self._queue = list(self.children)
         self._fill()
 
@@ -211,9 +214,31 @@ def _counters() -> dict:
     return out
 
 
+def die_with_parent() -> bool:
+    """In a child: end with the process that started it. A trainer killed outright (SIGKILL, the
+    kernel's out-of-memory killer) cannot stop its children, and each holds a CUDA context, an
+    arena and a share of the host's cores for a minute or more; a run started again at once
+    would find them in its way. On Linux the kernel sends the child SIGKILL when its parent dies
+    (``PR_SET_PDEATHSIG``). If the parent died before that was set, the child's parent is no
+    longer the pid it was given: returns False, and the child ends at once. Elsewhere (no
+    prctl) the child runs to its end as before."""
+    parent = os.environ.get(PARENT_VAR)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    return not (parent and parent.isdigit() and os.getppid() != int(parent))
+
+
 def _child_main(argv: list[str]) -> int:
     """One variant's step, once, in a fresh process (or several variants', comma-separated, one
     after another): the compiles land in the shared caches."""
+    if not die_with_parent():
+        print("the process that started this compile has ended; nothing to do", flush=True)
+        return 1
     path, names, split, index = argv
     t0 = time.perf_counter()
     with open(path, "rb") as f:
