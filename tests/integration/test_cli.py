@@ -259,6 +259,51 @@ def test_tr_bench_cold_epoch_mix_stopped_by_sigterm_keeps_what_finished(tmp_path
     assert not (tmp_path / "b.json.tmp").exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_cold_modes_process_ends_with_a_bench_killed_outright(tmp_path):
+    """tr-bench killed with SIGKILL during the second cold mode: that mode's process ends with it
+    and never writes its results (left alone, it runs to its end and writes them)."""
+    import signal
+    import time
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    p = subprocess.Popen(_cli("tr-bench") + [
+        "data=synthetic", "data.train_size=200", "variants.lowres_epochs=1", "bench.modes=[]",
+        "bench.epoch_mix=true", "bench.epoch_mix_modes=[eager,tr]", "bench.cold=true",
+        f"bench.out={tmp_path / 'b.json'}"],
+        cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmpdir)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not list(tmpdir.glob("tr_bench_cold_tr_*")) and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)  # the second mode's process has started
+    assert p.poll() is None, "the run ended before the second mode started"
+    mode = None
+    while mode is None and time.time() - t0 < 300:  # the bench's child process: the running mode
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == p.pid:
+                        mode = int(d)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.05)
+    assert mode is not None
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return not any(ln.startswith("State:") and "Z" in ln.split()[1] for ln in f)
+        except FileNotFoundError:
+            return False
+    while alive(mode) and time.time() - t0 < 300:
+        time.sleep(0.1)
+    assert not alive(mode), "the cold mode's process outlived the bench"
+    time.sleep(0.5)
+    assert not (tmp_path / "b.cold_tr.json").exists()  # it did not run on to its end
+    assert (tmp_path / "b.cold_eager.json").exists()    # the first mode's, from before
+
+
 def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path):
     """bench.cold=true: each epoch-mix mode runs in a fresh process with empty Inductor/Triton
     caches of its own, deleted afterwards; the results come back into one table and JSON."""

@@ -523,7 +523,7 @@ def epoch_mix_cold(argv: list[str], pc, device, modes=None, log=print, out_path:
         tmp = tempfile.mkdtemp(prefix=f"tr_bench_cold_{m}_")
         try:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                       TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+                       TRITON_CACHE_DIR=os.path.join(tmp, "triton"), **{COLD_PARENT_VAR: str(os.getpid())})
             res = f"{stem}.cold_{m}.json"
             cmd = [sys.executable, "-m", "tr_hydra.cli.bench", *keep, "bench.modes=[]", "bench.epoch_mix=true",
                    f"bench.epoch_mix_modes=[{m}]", "bench.cold=false", f"bench.out={res}"]
@@ -616,8 +616,16 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+COLD_PARENT_VAR = "TR_HYDRA_BENCH_COLD_PARENT"  # set for a cold mode's own process: the bench's pid
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get(COLD_PARENT_VAR):  # a cold mode's process ends with the bench that started it
+        from tr_hydra.runtime.precompile import die_with_parent
+        if not die_with_parent(COLD_PARENT_VAR):
+            print("tr-bench: the bench that started this cold mode has ended", file=sys.stderr)
+            return 1
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0

@@ -214,15 +214,16 @@ def _counters() -> dict:
     return out
 
 
-def die_with_parent() -> bool:
+def die_with_parent(var: str = PARENT_VAR) -> bool:
     """In a child: end with the process that started it. A trainer killed outright (SIGKILL, the
     kernel's out-of-memory killer) cannot stop its children, and each holds a CUDA context, an
     arena and a share of the host's cores for a minute or more; a run started again at once
     would find them in its way. On Linux the kernel sends the child SIGKILL when its parent dies
     (``PR_SET_PDEATHSIG``). If the parent died before that was set, the child's parent is no
-    longer the pid it was given: returns False, and the child ends at once. Elsewhere (no
-    prctl) the child runs to its end as before."""
-    parent = os.environ.get(PARENT_VAR)
+    longer the pid it was given (in the environment variable ``var``): returns False, and the
+    child ends at once. Elsewhere (no prctl) the child runs to its end as before. tr-bench's
+    cold epoch mix runs each mode's process the same way."""
+    parent = os.environ.pop(var, None)  # the process's own children get a var of their own
     if sys.platform.startswith("linux"):
         try:
             import ctypes
