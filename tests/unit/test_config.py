@@ -116,6 +116,28 @@ def test_rerun_of_a_config_saved_before_runtime_stem_keeps_the_plain_conv(tmp_pa
     assert "runtime.stem='space_to_depth'" in got and "runtime.stem=conv" not in got
 
 
+def test_rerun_of_a_config_saved_before_stem_channels_reads_the_image_as_it_was(tmp_path):
+    """Runs saved before runtime.stem_channels existed read the image's channels as they are; the
+    default is auto now (padded on CUDA), so their rerun gets null, and composes to it. A config
+    that has the key keeps its own value."""
+    import yaml
+
+    from tr_hydra.cli._common import compose
+    from tr_hydra.cli.rerun import rerun_overrides
+    from tr_hydra.config.plan_config import plan_config_from
+    (tmp_path / ".hydra").mkdir()
+    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto", "stem": "space_to_depth"}}
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "runtime.stem_channels=null" in got
+    assert plan_config_from(compose(["runtime.stem_channels=null"])).runtime.stem_channels is None
+    cfg["runtime"]["stem_channels"] = "auto"
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "runtime.stem_channels='auto'" in got and "runtime.stem_channels=null" not in got
+    assert plan_config_from(compose(["runtime.stem_channels='auto'"])).runtime.stem_channels == "auto"
+
+
 def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
     """runtime.inductor_options: names and value types from this PyTorch's Inductor config
     (nested maps dotted); an unknown name, a wrong type or an option the runtime owns is a

@@ -133,7 +133,7 @@ def test_a_step_reading_the_image_in_padded_channels_equals_the_plain_step(tmp_p
     lines = []
     tr, before, got = _one_step(tmp_path, stem, model, 8 if reads == 8 else 16, lines.append)
     assert tr.model.conv1.read_channels() == reads and tr.model.conv1.weight.shape[1] == 3
-    assert f"runtime.stem_channels: conv1 reads {reads} channels" in lines
+    assert f"runtime.stem_channels={8 if reads == 8 else 16}: conv1 reads {reads} channels" in lines
     _, ref_before, want = _one_step(tmp_path, stem, model)
     for key, w in want.items():
         assert torch.equal(before[key], ref_before[key]), key
@@ -146,19 +146,39 @@ def test_tr_bench_says_under_its_table_that_the_stem_reads_padded_channels():
     import dataclasses
     from tr_hydra.cli.bench import settings_lines
     pc = small_config(model="resnet18")
-    assert not [ln for ln in settings_lines(pc) if "stem_channels" in ln]
+    assert pc.runtime.stem_channels == "auto" and not pc.amp
+    for device_type in ("cpu", "cuda"):  # auto pads only on CUDA with 16-bit autocast
+        assert not [ln for ln in settings_lines(pc, device_type) if "stem_channels" in ln]
+    amp = dataclasses.replace(pc, amp=True)
+    assert not [ln for ln in settings_lines(amp, "cpu") if "stem_channels" in ln]
+    assert [ln for ln in settings_lines(amp, "cuda") if "multiple of 8 channels (runtime.stem_channels=auto)" in ln]
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem_channels=16))
-    assert [ln for ln in settings_lines(pc) if "multiple of 16 channels (runtime.stem_channels)" in ln]
+    assert [ln for ln in settings_lines(pc, "cpu") if "multiple of 16 channels (runtime.stem_channels=16)" in ln]
+
+
+def test_auto_stem_channels_pad_to_eight_only_on_cuda_with_16_bit_autocast():
+    """The default, auto: a multiple of 8 on CUDA with amp, so ResNet-50's 12-channel fold reads
+    16 and a 3-channel image 8; the image as it is on CPU and in fp32; null and 1 mean as it is."""
+    from tr_hydra.models.stem import extra_channels, stem_channel_multiple
+    assert stem_channel_multiple("auto", "cuda", True) == 8
+    assert stem_channel_multiple("auto", "cpu", True) is None
+    assert stem_channel_multiple("auto", "cuda", False) is None
+    assert stem_channel_multiple(None, "cuda", True) is None
+    assert stem_channel_multiple(1, "cuda", True) is None
+    assert stem_channel_multiple(16, "cpu", False) == 16
+    m = stem_channel_multiple("auto", "cuda", True)
+    assert (12 + extra_channels(12, m), 3 + extra_channels(3, m), 16 + extra_channels(16, m)) == (16, 8, 16)
 
 
 def test_stem_channels_is_checked():
     from tr_hydra.cli._common import compose
     from tr_hydra.config.plan_config import plan_config_from
     from tr_hydra.errors import ConfigError
-    assert plan_config_from(compose([])).runtime.stem_channels is None
+    assert plan_config_from(compose([])).runtime.stem_channels == "auto"
+    assert plan_config_from(compose(["runtime.stem_channels=null"])).runtime.stem_channels is None
     assert plan_config_from(compose(["runtime.stem_channels=16"])).runtime.stem_channels == 16
-    for bad in ("0", "65", "-8"):
-        with pytest.raises(ConfigError, match=r"runtime.stem_channels: must be null or a channel multiple"):
+    for bad in ("0", "65", "-8", "fast", "true"):
+        with pytest.raises(ConfigError, match=r"runtime.stem_channels: must be auto, null or a channel multiple"):
             plan_config_from(compose([f"runtime.stem_channels={bad}"]))
 
 

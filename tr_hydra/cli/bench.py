@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         if b.data:
             out = end_to_end(pc, b, device)
             print(e2e_table(out["modes"]))
-            for line in settings_lines(pc):
+            for line in settings_lines(pc, device.type):
                 print(line)
             _write(out, b.out)
             return 0
@@ -699,13 +699,13 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_table(out["profile"]))
     if "epoch_mix" in out:
         print(mix_table(out["epoch_mix"]))
-    for line in settings_lines(pc):
+    for line in settings_lines(pc, device.type):
         print(line)
     _write(out, b.out)
     return 0
 
 
-def settings_lines(pc) -> list[str]:
+def settings_lines(pc, device_type: str) -> list[str]:
     """Under the tables: the process-wide settings every mode ran with, tr_hydra's and PyTorch's."""
     lines = [options_line(pc)] if pc.runtime.inductor_options else []
     if pc.runtime.cudnn_benchmark_limit is not None:
@@ -713,10 +713,12 @@ def settings_lines(pc) -> list[str]:
         lines.append(f"cuDNN's algorithm search (runtime.cudnn_benchmark_limit={lim}), for tr_hydra and every "
                      f"PyTorch mode alike: " + ("every algorithm timed" if lim == 0 else f"up to {lim} algorithms timed")
                      + " per convolution shape")
-    if pc.runtime.stem_channels:
+    from tr_hydra.models.stem import stem_channel_multiple
+    multiple = stem_channel_multiple(pc.runtime.stem_channels, device_type, pc.amp)
+    if multiple:
         lines.append(f"tr_hydra's convolution over the image reads its input zero-padded to a multiple of "
-                     f"{pc.runtime.stem_channels} channels (runtime.stem_channels); the PyTorch modes run the "
-                     f"model's own")
+                     f"{multiple} channels (runtime.stem_channels={pc.runtime.stem_channels}); the PyTorch modes "
+                     f"run the model's own")
     return lines
 
 

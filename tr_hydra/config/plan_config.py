@@ -96,7 +96,7 @@ class RuntimeSpec:
     precompile: str | int = "auto"
     precompile_first: bool = False
     stem: str = "auto"
-    stem_channels: int | None = None  # the convolution over the image reads its input padded to a multiple of this
+    stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this
     recompute: str = "none"
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
@@ -361,8 +361,9 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(runtime.backward_streams in (1, 2) and not isinstance(runtime.backward_streams, bool),
            "runtime.backward_streams", f"must be 1 or 2, got {runtime.backward_streams!r}")
     sc = runtime.stem_channels
-    _check(sc is None or (isinstance(sc, int) and not isinstance(sc, bool) and 1 <= sc <= 64),
-           "runtime.stem_channels", f"must be null or a channel multiple from 1 to 64 (e.g. 8 or 16), got {sc!r}")
+    _check(sc is None or sc == "auto" or (isinstance(sc, int) and not isinstance(sc, bool) and 1 <= sc <= 64),
+           "runtime.stem_channels",
+           f"must be auto, null or a channel multiple from 1 to 64 (e.g. 8 or 16), got {sc!r}")
     lim = runtime.cudnn_benchmark_limit
     _check(lim is None or (isinstance(lim, int) and not isinstance(lim, bool) and lim >= 0),
            "runtime.cudnn_benchmark_limit", f"must be null or a count >= 0 (0: every algorithm), got {lim!r}")

@@ -197,7 +197,7 @@ class RuntimeConfig:
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
-    stem_channels: Optional[int] = None  # that convolution reads its input zero-padded to a multiple of this many channels (null: as is)
+    stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak

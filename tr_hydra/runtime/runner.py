@@ -150,20 +150,22 @@ class Trainer:
         model = model.to(self.device)
         if pc.runtime.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        from tr_hydra.models.stem import image_input_recomputed, stem_channel_multiple
+        # the convolution over the image reads its input zero-padded to a multiple of this
+        self.stem_channels = stem_channel_multiple(pc.runtime.stem_channels, self.device.type, pc.amp)
         self.stem_s2d: list[str] = []  # convs over the image computed in space-to-depth form
         if pc.runtime.stem == "space_to_depth" or (pc.runtime.stem == "auto" and self.device.type == "cuda"):
             from tr_hydra.models.stem import space_to_depth_stem
             self.stem_s2d = space_to_depth_stem(model, self.compiled.model_map.first_convs,
-                                                pc.runtime.stem_channels)
+                                                self.stem_channels)
             if self.stem_s2d:
                 self.log(f"runtime.stem: {', '.join(self.stem_s2d)} computed as a space-to-depth convolution")
             elif pc.runtime.stem == "space_to_depth":
                 self.log("runtime.stem=space_to_depth: no convolution over the image qualifies "
                          "(stride 2, no dilation or groups, at most 4 channels); the model's own is used")
-        from tr_hydra.models.stem import image_input_recomputed
-        image_input_recomputed(model, self.compiled.model_map.first_convs, pc.runtime.stem_channels)
-        if pc.runtime.stem_channels:
-            self.log("runtime.stem_channels: " + ", ".join(
+        image_input_recomputed(model, self.compiled.model_map.first_convs, self.stem_channels)
+        if self.stem_channels:
+            self.log(f"runtime.stem_channels={pc.runtime.stem_channels}: " + ", ".join(
                 f"{name} reads {m.read_channels()} channels" for name, m in model.named_modules()
                 if name in self.compiled.model_map.first_convs and hasattr(m, "read_channels")))
         if self.device.type == "cpu":
