@@ -370,3 +370,19 @@ def test_a_padded_last_validation_batch_replays_val_base_with_the_same_metrics(t
         # the same weights (deterministic training): at most one sample's difference in rounding
         assert abs(a["top1"] - b["top1"]) <= 100 / 70 + 1e-9 and abs(a["top5"] - b["top5"]) <= 100 / 70 + 1e-9, (a, b)
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-3), (a, b)
+
+
+def test_stem_bench_times_every_form_inside_a_cuda_graph():
+    """python -m tr_hydra.models.stem_bench on CUDA: each form, compiled ones included, is timed
+    inside a CUDA graph (no host launch cost counted), starting from the fp16 image as the step
+    gets it, and every form's output matches the fp32 reference as the plain conv's does."""
+    from tr_hydra.models.stem_bench import QUICK, run
+    out = run(torch.device("cuda"), QUICK, n=5, compiled=True)
+    for name, res in out["cases"].items():
+        assert out["timed_in_graph"][name] == {"all": True, "not": []}, name
+        assert all(v > 0 for k, v in res.items() if k.endswith("_ms")), name
+        assert res["plain_c8_compiled_fwd_wgrad_ms"] > 0
+        plain = res["max_abs_err_plain"]
+        for k, v in res.items():
+            if k.startswith("max_abs_err_"):
+                assert v <= 2 * plain + 1e-2, (name, k, v, plain)

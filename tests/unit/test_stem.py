@@ -197,7 +197,9 @@ def test_stem_bench_runs_and_checks_the_fold(tmp_path):
     from tr_hydra.models.stem_bench import main
     out = tmp_path / "stem.json"
     assert main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
-    cases = json.loads(out.read_text())["cases"]
+    got = json.loads(out.read_text())
+    cases = got["cases"]
+    assert "timed_in_graph" not in got  # CUDA graphs only on CUDA
     res = cases["tiny"]
     for key in ("conv_c3_fwd_ms", "conv_c8_wgrad_ms", "plain_eager_fwd_wgrad_ms", "s2d_eager_fwd_wgrad_ms",
                 "s2d_c16_eager_fwd_wgrad_ms", "plain_c8_eager_fwd_wgrad_ms", "s2d_conv_only_fwd_wgrad_ms",
