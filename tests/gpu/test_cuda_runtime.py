@@ -105,17 +105,21 @@ def test_deterministic_runs_are_bit_identical_with_graphs(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     """Each variant after the first is compiled by a child process into a fresh Inductor cache;
-    the main process then loads those compiles instead of making them, and still trains."""
+    the main process then loads those compiles instead of making them, and still trains. Forked
+    from the launcher, the children initialise CUDA themselves and import nothing again."""
     from torch._dynamo.utils import counters
     import dataclasses
+    torch._dynamo.reset()  # an earlier test's compile of the same model would be reused, loading nothing
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
                       val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5))
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_start=start))
     logs = []
     tr = Trainer(pc, tmp_path / "run", log=logs.append)
+    assert (tr._launcher is not None) == (start == "fork")
     hits0 = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
     res = tr.fit()  # captures: the warm-up compiles, or loads, every variant
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits0
@@ -123,6 +127,10 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch):
     assert s is not None and sorted(s) == ["train_last", "train_lowres", "train_lowres_last", "val_base",
                                            "val_last"], logs
     assert all(r["ok"] for r in s.values()), (s, logs)
+    assert all(r["start"] == start for r in s.values()), s
+    if start == "fork":
+        assert all(r["import_s"] < 1.0 for r in s.values()), s
+        assert tr.launcher_ready_s is not None
     assert all(r["fxgraph_cache_miss"] > 0 for r in s.values()), s  # the children compiled
     assert hits >= len(s), (hits, s)  # and the main process loaded what they compiled
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN

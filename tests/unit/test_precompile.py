@@ -103,8 +103,8 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, also=None):
-            seen.update(order=order, n=n)
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None):
+            seen.update(order=order, n=n, launcher=launcher)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
@@ -255,3 +255,210 @@ def test_a_child_ends_with_a_trainer_killed_outright(delay):
         text = f.read()
     assert not [ln for ln in text.splitlines() if ln.startswith("{")], text  # it never finished its step
     os.remove(log_path)
+
+
+# ---------------------------------------------------------------- runtime.precompile_start=fork
+
+fork_only = pytest.mark.skipif(not pcm.fork_available(), reason="forked children need Linux")
+
+
+@fork_only
+def test_forked_children_run_each_variant_skip_the_import_and_a_failure_is_reported_not_raised():
+    """The same children as above, forked from a launcher that imported PyTorch and the trainer
+    once: each runs its variant and reports its counters; none imports again; a failing one is
+    reported and left to the main process."""
+    pc = small_config(train_size=80, val_size=40)
+    logs = []
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False), ("no_such_variant", True)],
+                          workers=2, log=logs.append, launcher=pcm.Launcher())
+    launcher = pre.launcher
+    try:
+        for name in ("train_last", "val_base", "no_such_variant"):
+            pre.wait(name)
+        s = pre.summary()
+        pids = [c.proc.pid for c in pre.children]
+    finally:
+        pre.close()
+    assert s["train_last"]["ok"] and s["val_base"]["ok"], (s, logs)
+    assert s["train_last"]["start"] == "fork" and launcher.ready_s is not None
+    assert "fxgraph_cache_hit" in s["train_last"]
+    for name in ("train_last", "val_base"):
+        assert s[name]["import_s"] < 0.5, s[name]  # already imported in the launcher
+        assert s[name]["start_s"] is not None and s[name]["start_s"] >= 0
+    assert len(set(pids)) == 3 and launcher.proc.pid not in pids
+    assert s["no_such_variant"]["ok"] is False
+    assert any("no_such_variant: parallel compile failed" in ln and "compiling it here" in ln for ln in logs)
+    assert launcher.proc.poll() == 0  # closed with the precompiler, after reaping its children
+    from tr_hydra.cli.bench import _precompile_line  # what tr-bench prints of it
+    line = _precompile_line(s, launcher.ready_s, launcher.error)
+    assert line.startswith(f"parallel compiles (fork; the launcher could fork after {launcher.ready_s:.1f}s): ")
+    assert "train_last " in line and "import 0.0s" in line and "no_such_variant" in line and "(failed)" in line
+
+
+def test_spawned_children_report_their_start_too():
+    pc = small_config(train_size=80, val_size=40)
+    pre = pcm.Precompiler(pc, [("val_base", False)], workers=1, log=lambda *_: None)
+    try:
+        pre.wait("val_base")
+        s = pre.summary()["val_base"]
+    finally:
+        pre.close()
+    assert s["ok"] and s["start"] == "spawn" and s["start_s"] >= 0, s
+
+
+@fork_only
+def test_a_launcher_that_fails_starts_the_children_as_fresh_processes_at_once():
+    """A launcher that cannot fork (here: an import fails; on a GPU host, a forked child that
+    cannot use CUDA) says so once, and starts every child asked of it as a fresh process: those
+    asked before it failed at once, without the training process looking (it is busy compiling
+    its own first variant then), and those asked after."""
+    import time
+    pc = small_config(train_size=80, val_size=40)
+    logs = []
+    launcher = pcm.Launcher(preload=("torch", "tr_hydra_no_such_module"), log=logs.append)
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False), ("val_last", False)], workers=2,
+                          log=logs.append, launcher=launcher)
+    try:
+        first = pre.children[0]
+        assert first.proc.start == "fork" and first.proc.pid is None  # asked while the launcher imports
+        assert not launcher.wait_ready(timeout=120) and "tr_hydra_no_such_module" in launcher.error
+        deadline = time.time() + 60
+        while first.proc.pid is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert first.proc.start == "spawn" and first.proc.pid is not None  # started with nobody reaping
+        for name in ("train_last", "val_base", "val_last"):
+            pre.wait(name)  # val_last is asked for after the failure
+        s = pre.summary()
+    finally:
+        pre.close()
+    assert all(s[n]["ok"] and s[n]["start"] == "spawn" and s[n]["import_s"] > 0 for n in s), (s, logs)
+    assert sum("the launcher failed" in ln and "tr_hydra_no_such_module" in ln for ln in logs) == 1, logs
+
+
+@fork_only
+def test_closing_a_launcher_still_importing_ends_it_at_once():
+    import time
+    launcher = pcm.Launcher()
+    h = launcher.start(["/nonexistent.pkl", "val_base", "val", "0"], "/dev/null")
+    t = time.perf_counter()
+    launcher.close()
+    assert time.perf_counter() - t < 10
+    assert launcher.proc.poll() is not None and h.poll() is not None
+
+
+def test_which_trainers_start_a_launcher(monkeypatch):
+    import dataclasses
+    monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
+    monkeypatch.setattr(pcm, "fork_available", lambda: True)
+    base = small_config(train_size=200, batch=32, val_size=64, val_batch=32)  # three variants
+
+    def rt(**kw):
+        return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, **kw))
+    assert base.runtime.precompile_start == "spawn"
+    assert not pcm.launcher_wanted(rt(compile="auto"), "cuda", 16)  # the default: fresh processes
+    pc = rt(compile="auto", precompile_start="fork")  # Inductor on CUDA, forked children
+    assert pcm.launcher_wanted(pc, "cuda", 16)
+    assert not pcm.launcher_wanted(pc, "cpu", 16)
+    fork = dict(precompile_start="fork")
+    assert pcm.launcher_wanted(rt(compile="inductor", **fork), "cuda", 16)
+    assert not pcm.launcher_wanted(rt(compile="auto", precompile=0, **fork), "cuda", 16)
+    assert not pcm.launcher_wanted(pc, "cuda", 2)            # auto: a third of the cores, none here
+    assert not pcm.launcher_wanted(rt(compile="auto", cuda_graph=False, **fork), "cuda", 16)
+    assert not pcm.launcher_wanted(rt(compile="none", **fork), "cuda", 16)
+    assert not pcm.launcher_wanted(dataclasses.replace(pc, world_size=2), "cuda", 64)  # ddp: auto is off
+    monkeypatch.setattr(pcm, "fork_available", lambda: False)
+    assert pcm.start_method("fork") == "spawn"
+    assert not pcm.launcher_wanted(pc, "cuda", 16)
+    monkeypatch.setattr(pcm, "caches_enabled", lambda: False)
+    monkeypatch.setattr(pcm, "fork_available", lambda: True)
+    assert pcm.start_method("fork") == "fork" and pcm.start_method("spawn") == "spawn"
+    assert not pcm.launcher_wanted(pc, "cuda", 16)           # no Inductor caches: nothing to warm
+
+
+def test_default_start_is_spawn_and_fork_is_accepted():
+    # (a bad value is refused in one line: test_config.test_bad_override_exits_nonzero_with_one_line)
+    assert plan_config_from(compose([])).runtime.precompile_start == "spawn"
+    assert plan_config_from(compose(["runtime.precompile_start=fork"])).runtime.precompile_start == "fork"
+
+
+@fork_only
+def test_a_trainer_that_fails_to_build_leaves_no_launcher(monkeypatch, tmp_path):
+    import tr_hydra.runtime.runner as rn
+    started = []
+
+    class Spy(pcm.Launcher):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            started.append(self)
+
+    def boom(*a, **k):
+        raise RuntimeError("plan failed")
+    monkeypatch.setattr(pcm, "Launcher", Spy)
+    monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: True)
+    monkeypatch.setattr(rn, "compile_plan", boom)
+    with pytest.raises(RuntimeError, match="plan failed"):
+        rn.Trainer(small_config(train_size=80, val_size=40), tmp_path, log=lambda *_: None, telemetry=False)
+    assert len(started) == 1 and started[0].proc.poll() is not None
+
+
+@fork_only
+def test_a_trainer_that_will_not_capture_closes_its_launcher(monkeypatch, tmp_path):
+    """On the CPU a trainer captures nothing: a launcher it started (forced here) is closed at the
+    capture, not left idle for the run."""
+    import tr_hydra.runtime.runner as rn
+    monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: True)
+    tr = rn.Trainer(small_config(train_size=80, val_size=40), tmp_path, log=lambda *_: None, telemetry=False,
+                    source=False)
+    launcher = tr._launcher
+    assert launcher is not None
+    tr.capture()
+    assert tr._launcher is None and launcher.proc.poll() is not None
+    tr2 = rn.Trainer(small_config(train_size=80, val_size=40), tmp_path, log=lambda *_: None, telemetry=False,
+                     source=False, launcher=False)  # a parallel compile's own trainer
+    assert tr2._launcher is None
+
+
+_KILLED_PARENT_FORK = r"""
+import os, signal, sys, time
+sys.path[:0] = [{root!r}]
+from tr_hydra.runtime import precompile as pcm
+launcher = pcm.Launcher()
+if {after}:  # a child forked and running: it waits, as a long compile would, on a pipe no one writes
+    os.mkfifo({fifo!r})
+    h = launcher.start([{fifo!r}, "val_base", "val", "0"], {log!r})
+    while h.pid is None:
+        time.sleep(0.01)
+    print(h.pid, launcher.proc.pid, flush=True)
+    time.sleep(0.5)
+else:  # the launcher still importing
+    print("-", launcher.proc.pid, flush=True)
+    time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@fork_only
+@pytest.mark.parametrize("after", [False, True])
+def test_a_launcher_and_its_children_end_with_a_trainer_killed_outright(after, tmp_path):
+    """SIGKILL of the training process ends its launcher, whether it is still importing or has
+    forked, and the launcher's end ends its children (each linked to it by PR_SET_PDEATHSIG)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    log = str(tmp_path / "child.log")
+    script = _KILLED_PARENT_FORK.format(root=root, after=after, fifo=str(tmp_path / "plan.fifo"), log=log)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=root)
+    assert p.returncode == -9, p.stderr
+    child, launcher = p.stdout.split()
+    for who, pid in (("launcher", launcher), ("child", child)):
+        if pid == "-":
+            continue
+        deadline = time.time() + 60
+        while _alive(int(pid)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(int(pid)), f"the {who} outlived the killed training process"
+    if after:
+        with open(log) as f:
+            assert not [ln for ln in f if ln.startswith("{")]  # it never finished

@@ -373,7 +373,10 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # (the search done at the end of the first compile is part of that warm-up)
             "ready_seconds": _ready_parts(tr, built, captured, ready),
             "cudnn_prime": _prime_json(tr.cudnn_prime) if tr.cudnn_prime else None,
-            "precompile": tr.precompile_summary}
+            "precompile": tr.precompile_summary,
+            # runtime.precompile_start=fork: seconds from the trainer's start until its launcher could
+            # fork, or why it could not
+            "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error}
 
 
 def _ready_parts(tr, built: float, captured: float, ready: float) -> dict:
@@ -576,7 +579,32 @@ def mix_table(mix: dict) -> str:
         if parts:
             lines.append(f"{m}: first step of every variant after {r['first_step_of_all_variants_seconds']:.1f}s: "
                          + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in parts.items()))
+        line = _precompile_line(r.get("precompile"), r.get("launcher_ready_seconds"), r.get("launcher_error"))
+        if line:
+            lines.append(f"{m}: {line}")
     return "\n".join(lines)
+
+
+def _precompile_line(summary: dict | None, launcher_ready: float | None, launcher_error: str | None = None) -> str:
+    """The parallel compiles: how each child started, and its time split (asked for, started,
+    imports, trainer, compile and step), from the precompiler's summary."""
+    if not summary:
+        return ""
+    starts = sorted({c.get("start", "spawn") for c in summary.values() if c.get("ok") is not None})
+    parts = []
+    for name, c in summary.items():
+        if c.get("ok") is None:
+            parts.append(f"{name} here")
+            continue
+        split = [f"{k} {c[k + '_s']:.1f}s" for k in ("start", "import", "trainer", "step") if c.get(k + "_s") is not None]
+        parts.append(f"{name} {c['seconds']:.1f}s{'' if c['ok'] else ' (failed)'}" + (f" ({', '.join(split)})" if split else ""))
+    head = f"parallel compiles ({'/'.join(starts) or 'none started'}"
+    if launcher_error:
+        head += f"; the launcher failed: {launcher_error}"
+    elif launcher_ready is not None:
+        head += f"; the launcher could fork after {launcher_ready:.1f}s"
+    head += ")"
+    return head + ": " + "; ".join(parts)
 
 
 def table(records: list[dict]) -> str:

@@ -98,6 +98,11 @@ class AutotuneFlush(enum.Enum):
     full = "full"  # Inductor's own L2-sized buffer, wherever the step's memory stands
 
 
+class PrecompileStart(enum.Enum):
+    spawn = "spawn"  # each child a fresh Python process
+    fork = "fork"    # children forked from a launcher that has imported PyTorch, the trainer and Inductor (Linux)
+
+
 class PlanFormat(enum.Enum):
     table = "table"
     json = "json"
@@ -196,6 +201,7 @@ class RuntimeConfig:
     kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
+    precompile_start: PrecompileStart = PrecompileStart.spawn  # how a child starts: a fresh process | forked from a launcher that has imported PyTorch (Linux)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving

@@ -10,6 +10,12 @@ the variant, the main process traces it and loads the compiled code instead of c
 Nothing the children compute is used: they only warm caches. A child that fails (out of memory,
 a compile error) costs nothing but its time; the main process then compiles that variant
 itself, as it would have without precompilation.
+
+How a child starts (``runtime.precompile_start``): ``spawn``, the default, starts each child as
+a fresh Python process; ``fork`` (Linux) forks each child from a launcher process that imported
+PyTorch, the trainer and Inductor while the training process was building its trainer, so the
+children skip that import (9-12 s each on the H200's host with five of them starting
+together).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +60,381 @@ def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: i
     return max(0, min(workers, spare // child)) if spare > 0 else 0
 
 
+# what a launcher imports before it forks: PyTorch, the trainer, and the parts of Dynamo,
+# AOTAutograd and Inductor that a first compile would otherwise import lazily
+LAUNCHER_PRELOAD = ("torch", "tr_hydra.runtime.runner", "torch._dynamo", "torch._functorch.aot_autograd",
+                    "torch._inductor.compile_fx")
+
+
+def fork_available() -> bool:
+    """Forked children need ``os.fork`` and, so that they end with the launcher, Linux's
+    ``PR_SET_PDEATHSIG``."""
+    return hasattr(os, "fork") and sys.platform.startswith("linux")
+
+
+def start_method(setting: str) -> str:
+    """``runtime.precompile_start`` resolved: ``fork`` where asked for and available, else
+    ``spawn``."""
+    return "fork" if setting == "fork" and fork_available() else "spawn"
+
+
+def child_env() -> dict:
+    """The environment of a child (or a launcher): this one without torchrun's variables (a
+    child joins no process group), with this package importable from wherever the parent
+    imported it (the run's working directory may differ), and the parent's pid."""
+    import tr_hydra
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tr_hydra.__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+                **{PARENT_VAR: str(os.getpid())})
+
+
+def _spawn(argv: list[str], log_path: str, env: dict, sent: float | None = None) -> subprocess.Popen:
+    """A child as a fresh Python process, its output in ``log_path``."""
+    with open(log_path, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "tr_hydra.runtime.precompile", *argv, repr(sent or time.time())],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+class _Forked:
+    """A child asked of a ``Launcher``, with the part of ``subprocess.Popen`` that
+    ``Precompiler`` uses: ``pid`` (None until forked), ``poll``, ``wait``, ``kill``. ``start``:
+    ``fork``, or ``spawn`` once the launcher has failed and the child runs as a fresh process
+    instead."""
+
+    def __init__(self, launcher: "Launcher", argv: list[str], log_path: str, sent: float):
+        self._launcher = launcher
+        self.argv, self.log_path, self.sent = argv, log_path, sent
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.start = "fork"
+        self._popen: subprocess.Popen | None = None
+        self._kill = False
+
+    def _spawned(self, popen: subprocess.Popen) -> None:  # with the launcher's lock held
+        self._popen, self.pid, self.start = popen, popen.pid, "spawn"
+
+    def poll(self):
+        if self._popen is not None:
+            return self._popen.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        with self._launcher._cond:
+            if not self._launcher._cond.wait_for(lambda: self.returncode is not None or self._popen is not None,
+                                                 timeout):
+                raise subprocess.TimeoutExpired("precompile child", timeout)
+        if self._popen is not None:
+            return self._popen.wait(timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        with self._launcher._cond:
+            if self._popen is not None:
+                self._popen.kill()
+                return
+            if self.returncode is not None:
+                return
+            self._kill = True
+            if self.pid is not None:
+                _kill(self.pid)
+
+
+def _kill(pid: int) -> None:
+    import signal
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class Launcher:
+    """A process that imports PyTorch, the trainer and Inductor (``LAUNCHER_PRELOAD``) once, and
+    then forks one child per request, so no child imports them again. Start it early, while the
+    training process builds its trainer: the import then overlaps that work. It never
+    initialises CUDA itself; before it says it is ready, it forks one short child that does, to
+    check that a forked child can use the GPU. Each child initialises CUDA for itself. It ends
+    with the training process (and its children with it, ``PR_SET_PDEATHSIG``), or when
+    ``close`` closes its input.
+
+    If it fails (an import, the check, or it ended), it says so once through ``log`` and every
+    child asked of it, before or after, starts as a fresh process instead, at once: the training
+    process need not look. ``error`` says why."""
+
+    def __init__(self, preload: tuple[str, ...] = LAUNCHER_PRELOAD, log=print):
+        self._cond = threading.Condition()
+        self._children: dict[int, _Forked] = {}
+        self._token = 0
+        self.log = log
+        self.ready = False
+        self.error = ""
+        self.started = time.perf_counter()
+        self.ready_s: float | None = None  # seconds from the start until it could fork
+        self._env = child_env()
+        self._log = tempfile.NamedTemporaryFile(prefix="tr_hydra_launcher_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tr_hydra.runtime.precompile", "--launcher", ",".join(preload)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self._env, text=True, bufsize=1)
+        self._reader = threading.Thread(target=self._read, name="tr_hydra-launcher", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            with self._cond:
+                if word == "ready":
+                    self.ready = True
+                    self.ready_s = time.perf_counter() - self.started
+                elif word == "error":
+                    self._fail(rest)
+                elif word in ("started", "exit"):
+                    token, value = (int(x) for x in rest.split()[:2])
+                    h = self._children.get(token)
+                    if h is not None and word == "started":
+                        h.pid = value
+                        if h._kill:
+                            _kill(value)
+                    elif h is not None:
+                        h.returncode = value
+                self._cond.notify_all()
+        self.proc.wait()
+        with self._cond:
+            if self._closing:
+                for h in self._children.values():
+                    if h.returncode is None and h._popen is None:
+                        h.returncode = -9
+            else:
+                self._fail(self._last_log_line() or f"it ended (exit status {self.proc.returncode})")
+            self._cond.notify_all()
+            # the children started here as fresh processes die with this thread (PR_SET_PDEATHSIG
+            # follows the thread that started them): it stays until the launcher is closed
+            self._cond.wait_for(lambda: self._closing)
+
+    def _fail(self, why: str) -> None:
+        """With the lock held: the launcher cannot fork (any more). Every child it has not
+        forked starts as a fresh process now; one it forked has ended with it."""
+        if self.error:
+            return
+        self.error = why
+        self.ready = False
+        if not self._closing:
+            self.log(f"runtime.precompile_start=fork: the launcher failed ({why}); "
+                     "each parallel compile starts as a fresh process")
+        for h in self._children.values():
+            if h.returncode is not None or h._popen is not None:
+                continue
+            if h.pid is not None:
+                h.returncode = -9  # forked, and ended with the launcher (PR_SET_PDEATHSIG)
+            elif h._kill or self._closing:
+                h.returncode = -9
+            else:
+                try:
+                    h._spawned(_spawn(h.argv, h.log_path, self._env, h.sent))
+                except OSError:
+                    h.returncode = 1
+
+    _closing = False
+
+    def _last_log_line(self) -> str:
+        try:
+            with open(self._log.name, errors="replace") as f:
+                lines = [ln.strip() for ln in f if ln.strip()]
+            return lines[-1][:200] if lines else ""
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the launcher can fork (True) or has failed (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.ready or self.error, timeout)
+            return self.ready and not self.error
+
+    def start(self, argv: list[str], log_path: str) -> _Forked:
+        """A child running ``_child_main(argv)`` with its output in ``log_path``. Returns at once,
+        also while the launcher is still importing (the child is forked when it is ready); once
+        the launcher has failed, the child is started as a fresh process."""
+        with self._cond:
+            self._token += 1
+            h = self._children[self._token] = _Forked(self, argv, log_path, time.time())
+            if self.error:
+                h._spawned(_spawn(argv, log_path, self._env, h.sent))
+                return h
+            req = json.dumps({"token": self._token, "argv": argv, "log": log_path, "sent": h.sent})
+        try:
+            self.proc.stdin.write(req + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            with self._cond:
+                self._fail(f"its input is closed ({e})")
+                self._cond.notify_all()
+        return h
+
+    def close(self) -> None:
+        """Kill the children still running, close the launcher's input and wait for it (it reaps
+        its children first)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            running = [h for h in self._children.values() if h.returncode is None]
+            ready = self.ready
+        for h in running:
+            h.kill()
+        if not ready:  # still importing (or failed): it has forked nothing; any child just forked ends with it
+            self.proc.kill()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=5)
+        for h in running:
+            if h._popen is not None:
+                h._popen.wait()
+        self._log.close()
+        try:
+            os.remove(self._log.name)
+        except OSError:
+            pass
+
+
+def _cuda_check() -> str:
+    """In the launcher, after its imports: fork a child that initialises CUDA and allocates on the
+    GPU, as a compile's child will. "" if it could (or there is no GPU here), else why not. The
+    launcher itself never initialises CUDA: after that, no forked child could."""
+    import torch
+    if not torch.cuda.is_available():  # NVML's count: the driver is not initialised
+        return ""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        rc = 1
+        try:
+            torch.empty(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+            rc = 0
+        except BaseException as e:  # noqa: BLE001 - reported to the launcher
+            os.write(w, f"{type(e).__name__}: {e}".replace("\n", " ")[:200].encode())
+        finally:
+            os._exit(rc)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        why = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return "a forked child could not use CUDA: " + (why or f"exit status {os.waitstatus_to_exitcode(status)}")
+    return ""
+
+
+def _launcher_main(preload: list[str]) -> int:
+    """The launcher's loop: import, say ``ready``, then fork a child per request line (JSON:
+    token, argv, log, sent), answering ``started TOKEN PID`` and, when it ends,
+    ``exit TOKEN STATUS``. At the end of its input it kills the children left and reaps them."""
+    import importlib
+    import select
+    if not die_with_parent():
+        return 1
+    nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch.cuda.is_available() without the driver
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - reported; the precompiler starts fresh processes instead
+        print(f"error importing {name}: {type(e).__name__}: {e}".replace("\n", " ")[:300], flush=True)
+        return 1
+    why = _cuda_check()
+    if why:
+        print(f"error {why}", flush=True)
+        return 1
+    if nvml_check is None:  # the children: PyTorch's own check, as in a fresh process
+        os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    else:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml_check
+    print("ready", flush=True)
+    running: dict[int, int] = {}  # pid -> token
+    fd = sys.stdin.fileno()
+    buf, eof = b"", False
+    while not eof or running:
+        if not eof:
+            r, _, _ = select.select([fd], [], [], 0.05)
+            if r:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    eof = True
+                    for pid in running:  # the precompiler is done with them
+                        _kill(pid)
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    req = json.loads(line)
+                    pid = _fork_child(req)
+                    running[pid] = req["token"]
+                    print(f"started {req['token']} {pid}", flush=True)
+        else:
+            time.sleep(0.05)
+        while running:
+            try:
+                pid, status = os.waitpid(-1, 0 if eof else os.WNOHANG)
+            except ChildProcessError:
+                running.clear()
+                break
+            if pid == 0:
+                break
+            token = running.pop(pid, None)
+            if token is not None:
+                print(f"exit {token} {os.waitstatus_to_exitcode(status)}", flush=True)
+    return 0
+
+
+def _fork_child(req: dict) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ[PARENT_VAR] = str(os.getppid())  # the launcher: the child ends with it
+        rc = _child_main(list(req["argv"]), sent=req.get("sent"))
+    except BaseException:  # noqa: BLE001 - a child reports its error in its log, as a fresh process would
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(rc)
+
+
+def launcher_wanted(pc, device_type: str, cpus: int) -> bool:
+    """Whether a trainer starts a ``Launcher`` as it begins: its capture will run parallel
+    compiles (CUDA, captured graphs, Inductor, ``runtime.precompile`` wanting children for the
+    variants) and they are to be forked. Free device memory, checked at the capture, may still
+    leave no room for a child; the launcher is then closed unused."""
+    rt = pc.runtime
+    if device_type != "cuda" or not rt.cuda_graph or rt.compile not in ("auto", "inductor"):
+        return False
+    if start_method(rt.precompile_start) != "fork":
+        return False
+    if requested_workers(rt.precompile, len(pc.variants), pc.world_size, cpus, rt.precompile_first) == 0:
+        return False
+    return caches_enabled()
+
+
 def caches_enabled() -> bool:
     try:
         import torch._inductor.config as ic
@@ -80,10 +462,12 @@ class Precompiler:
     ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
 
     def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
-                 also: dict[str, list[str]] | None = None):
+                 also: dict[str, list[str]] | None = None, launcher: Launcher | None = None):
         """``also``: for a variant, others of the same split that its child steps after it
         (``runtime.dynamic_batch``: they share its graph, or, where Dynamo's guards do not
-        admit their batch size, compile their own in the child rather than here)."""
+        admit their batch size, compile their own in the child rather than here).
+        ``launcher``: fork the children from it (it is closed with the precompiler; one that
+        fails starts them as fresh processes itself); None: each child is a fresh process."""
         self.log = log
         self.device_index = device_index
         self.workers = workers
@@ -92,12 +476,8 @@ class Precompiler:
         self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
         with open(self._pc_path, "wb") as f:
             pickle.dump(pc, f)
-        # the child imports this package from wherever the parent did (the run's cwd may differ)
-        import tr_hydra
-        root = os.path.dirname(os.path.dirname(os.path.abspath(tr_hydra.__file__)))
-        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}  # a child joins no group
-        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
-                         **{PARENT_VAR: str(os.getpid())})
+        self._env = child_env()
+        self.launcher = launcher
         self._queue = list(self.children)
         self._fill()
 
@@ -106,12 +486,10 @@ class Precompiler:
         while self._queue and running < self.workers:
             c = self._queue.pop(0)
             c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
+            argv = [self._pc_path, ",".join((c.name,) + c.also), "train" if c.train else "val", str(self.device_index)]
             try:
-                with open(c.log_path, "w") as out:
-                    c.proc = subprocess.Popen(
-                        [sys.executable, "-m", "tr_hydra.runtime.precompile", self._pc_path, ",".join((c.name,) + c.also),
-                         "train" if c.train else "val", str(self.device_index)],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
+                c.proc = (self.launcher.start(argv, c.log_path) if self.launcher is not None
+                          else _spawn(argv, c.log_path, self._env))
             except OSError as e:  # no process to be had: this variant compiles in the main process
                 c.ok = False
                 self.log(f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
@@ -179,6 +557,8 @@ class Precompiler:
             time.sleep(0.05)
 
     def close(self) -> None:
+        if self.launcher is not None:  # first: its children end with it, forked or not yet
+            self.launcher.close()
         for c in self.children:
             if c.proc is not None and c.ok is None and c.proc.poll() is None:
                 c.proc.kill()
@@ -187,7 +567,9 @@ class Precompiler:
         self._tmp.cleanup()
 
     def summary(self) -> dict:
-        return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1), **c.counters} for c in self.children}
+        return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1),
+                         **({"start": getattr(c.proc, "start", "spawn")} if c.proc is not None else {}), **c.counters}
+                for c in self.children}
 
 
 # Dynamo's and Inductor's own phase timers, summed over the child's compiles: where its time goes
@@ -234,12 +616,17 @@ def die_with_parent(var: str = PARENT_VAR) -> bool:
     return not (parent and parent.isdigit() and os.getppid() != int(parent))
 
 
-def _child_main(argv: list[str]) -> int:
-    """One variant's step, once, in a fresh process (or several variants', comma-separated, one
-    after another): the compiles land in the shared caches."""
+def _child_main(argv: list[str], sent: float | None = None) -> int:
+    """One variant's step, once, in a fresh process or one forked by a launcher (or several
+    variants', comma-separated, one after another): the compiles land in the shared caches.
+    ``sent`` (or a fifth argument): when the precompiler asked for the child (``time.time()``),
+    so that it reports how long it took to start."""
+    t_start = time.time()
     if not die_with_parent():
         print("the process that started this compile has ended; nothing to do", flush=True)
         return 1
+    if len(argv) == 5:
+        sent = float(argv.pop())
     path, names, split, index = argv
     t0 = time.perf_counter()
     with open(path, "rb") as f:
@@ -254,7 +641,7 @@ def _child_main(argv: list[str]) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(index))
     with tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_run_") as run_dir:
-        tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False)
+        tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False, launcher=False)
         t_trainer = time.perf_counter()  # with the CUDA context
         # cuDNN's algorithm search is the main process's to do (it times on the shared GPU); the
         # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
@@ -269,11 +656,14 @@ def _child_main(argv: list[str]) -> int:
         if tr.device.type == "cuda":
             torch.cuda.synchronize(tr.device)
     t_end = time.perf_counter()
-    out = dict(_counters(), variants=names.split(","), import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
+    out = dict(_counters(), variants=names.split(","), start_s=round(max(0.0, t_start - sent), 2) if sent else None,
+               import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
                step_s=round(t_end - t_trainer, 2), phases_s=_phases(), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--launcher"]:
+        sys.exit(_launcher_main([m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else list(LAUNCHER_PRELOAD)))
     sys.exit(_child_main(sys.argv[1:]))

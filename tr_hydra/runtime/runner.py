@@ -123,7 +123,9 @@ _COMPILED_FORWARDS: set = set()
 
 class Trainer:
     def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True,
-                 source: bool = True):
+                 source: bool = True, launcher: bool = True):
+        """``launcher``: False for a trainer that will not capture, such as a parallel compile's
+        own (see ``precompile.Launcher``)."""
         from tr_hydra.runtime import distributed
         self.pc, self.run_dir = pc, Path(run_dir)
         self.data_wait = 0.0  # host seconds spent getting batches
@@ -135,6 +137,18 @@ class Trainer:
         self.is_main = self.dist.is_main  # only rank 0 logs and writes files
         self.log = log if self.is_main else (lambda *_: None)
         self.telemetry = telemetry and self.is_main
+        # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture)
+        self._launcher = self._start_launcher() if launcher else None
+        self.launcher_ready_s: float | None = None  # seconds from its start until it could fork
+        self.launcher_error = ""  # why it could not (its children then started as fresh processes)
+        try:
+            self._build(pc, source)
+        except BaseException:  # a trainer that is not built leaves no launcher behind
+            self._close_launcher()
+            raise
+
+    def _build(self, pc: PlanConfig, source: bool) -> None:
+        from tr_hydra.runtime import distributed
         set_determinism(pc)
         from tr_hydra.runtime.executor import fused_kernels
         self.compiled: Compiled = compile_plan(
@@ -236,10 +250,33 @@ class Trainer:
         # resumed follows the same learning-rate curve as one that never stopped)
         self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
 
+    def _start_launcher(self):
+        """``runtime.precompile_start``: the launcher of the parallel compiles that ``capture``
+        will start, or None (no parallel compiles to come, or each a fresh process)."""
+        from tr_hydra.runtime import precompile as pcm
+        setting = self.pc.runtime.precompile_start
+        if setting == "fork" and not pcm.fork_available():
+            self.log("runtime.precompile_start=fork: not available here (it needs Linux); "
+                     "each parallel compile starts as a fresh process")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if not pcm.launcher_wanted(self.pc, self.device.type, cpus):
+            return None
+        try:
+            return pcm.Launcher(log=self.log)
+        except OSError as e:
+            self.log(f"runtime.precompile_start: no launcher ({e.strerror}); each parallel compile starts as a fresh process")
+            return None
+
+    def _close_launcher(self) -> None:
+        if self._launcher is not None:
+            self._launcher.close()
+            self._launcher = None
+
     def close(self) -> None:
         """Release the captured graphs (before the process group is destroyed: see
         ``CudaGraphs.release``), and stop any work its data source still does ahead. The trainer
         cannot step afterwards."""
+        self._close_launcher()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -278,6 +315,8 @@ class Trainer:
 
     def capture(self) -> None:
         pc = self.pc
+        if self.device.type != "cuda" or not pc.runtime.cuda_graph:
+            self._close_launcher()  # no parallel compiles here
         if self.device.type != "cuda":
             return
         if not pc.runtime.cuda_graph:
@@ -297,6 +336,9 @@ class Trainer:
                      + "; ".join(", ".join(vs) for vs in groups.values()) + ")")
         pre = self._precompiler([v for v in train_v if shared[v] == v], [v for v in val_v if shared[v] == v],
                                 also={g: [v for v in shared if shared[v] == g and v != g] for g in shared.values()})
+        if pre is not None and pre.launcher is not None:
+            self._launcher = None  # the precompiler's now: closed with it
+        self._close_launcher()  # not used: no parallel compiles after all
         self.capture_phases["start_children"] = time.perf_counter() - t
         ahead = None
         try:
@@ -334,6 +376,8 @@ class Trainer:
                     pass
             if pre:
                 self.precompile_summary = pre.summary()
+                if pre.launcher is not None:
+                    self.launcher_ready_s, self.launcher_error = pre.launcher.ready_s, pre.launcher.error
                 pre.close()
         self.log(f"captured {len(self.graphs.train) + len(self.graphs.val)} CUDA graphs "
                  f"in {self.graphs.capture_seconds:.1f}s")
@@ -476,7 +520,8 @@ class Trainer:
         here = "" if first else f"{(train_v + val_v)[0]} here, "
         self.log(f"compiling {len(every)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
-        return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also)
+        return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
+                               launcher=self._launcher)
 
     def _full_batch(self, split: str) -> int:
         """The batch size a source is asked for in ``split`` (a last batch is a part of one)."""
