@@ -336,6 +336,55 @@ def test_a_launcher_that_fails_starts_the_children_as_fresh_processes_at_once():
 
 
 @fork_only
+def test_a_launcher_not_ready_in_time_is_stopped_and_its_children_start_fresh(tmp_path, monkeypatch):
+    """A launcher whose imports (or CUDA check) hang is stopped after ``ready_timeout``; the
+    children asked of it then start as fresh processes, so the run never waits on it for ever."""
+    import os
+    (tmp_path / "tr_hydra_slow_import.py").write_text("import time\ntime.sleep(120)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    logs = []
+    launcher = pcm.Launcher(preload=("tr_hydra_slow_import",), log=logs.append, ready_timeout=2)
+    pre = pcm.Precompiler(small_config(train_size=80, val_size=40), [("val_base", False)], workers=1,
+                          log=logs.append, launcher=launcher)
+    try:
+        pre.wait("val_base")
+        s = pre.summary()["val_base"]
+    finally:
+        pre.close()
+    assert s["ok"] and s["start"] == "spawn", (s, logs)
+    assert launcher.error == "not ready after 2s" and launcher.proc.poll() is not None
+    assert sum("the launcher failed (not ready after 2s)" in ln for ln in logs) == 1, logs
+
+
+@fork_only
+def test_waiting_for_a_forked_check_is_bounded():
+    """The launcher's CUDA check waits for its forked child with a time limit: a child that
+    hangs is killed and reaped, one that ends gives its status and what it wrote."""
+    import os
+    import time
+    for code, timeout, want in (("os.write(w, b'no device'); os._exit(3)", 30, (3, "no device")),
+                                ("time.sleep(30); os._exit(0)", 0.5, (None, ""))):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                exec(code, {"os": os, "time": time, "w": w})
+            finally:
+                os._exit(1)
+        os.close(w)
+        t = time.perf_counter()
+        assert pcm._wait_exit(pid, r, timeout) == want
+        assert time.perf_counter() - t < timeout + 5
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive  # reaped
+
+
+@fork_only
 def test_closing_a_launcher_still_importing_ends_it_at_once():
     import time
     launcher = pcm.Launcher()

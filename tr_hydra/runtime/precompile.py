@@ -66,6 +66,9 @@ LAUNCHER_PRELOAD = ("torch", "tr_hydra.runtime.runner", "torch._dynamo", "torch.
                     "torch._inductor.compile_fx")
 
 
+LAUNCHER_READY_TIMEOUT_S = 180.0  # its imports and the CUDA check: 5-15 s expected
+
+
 def fork_available() -> bool:
     """Forked children need ``os.fork`` and, so that they end with the launcher, Linux's
     ``PR_SET_PDEATHSIG``."""
@@ -161,7 +164,9 @@ class Launcher:
     child asked of it, before or after, starts as a fresh process instead, at once: the training
     process need not look. ``error`` says why."""
 
-    def __init__(self, preload: tuple[str, ...] = LAUNCHER_PRELOAD, log=print):
+    def __init__(self, preload: tuple[str, ...] = LAUNCHER_PRELOAD, log=print,
+                 ready_timeout: float = LAUNCHER_READY_TIMEOUT_S):
+        """``ready_timeout``: a launcher not ready by then is stopped and counts as failed."""
         self._cond = threading.Condition()
         self._children: dict[int, _Forked] = {}
         self._token = 0
@@ -171,12 +176,23 @@ class Launcher:
         self.started = time.perf_counter()
         self.ready_s: float | None = None  # seconds from the start until it could fork
         self._env = child_env()
+        self._late = ""  # why the launcher was stopped before it was ready
         self._log = tempfile.NamedTemporaryFile(prefix="tr_hydra_launcher_", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tr_hydra.runtime.precompile", "--launcher", ",".join(preload)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self._env, text=True, bufsize=1)
         self._reader = threading.Thread(target=self._read, name="tr_hydra-launcher", daemon=True)
         self._reader.start()
+        self._timer = threading.Timer(ready_timeout, self._not_ready, args=(ready_timeout,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _not_ready(self, timeout: float) -> None:
+        with self._cond:
+            if self.ready or self.error or self._closing:
+                return
+            self._late = f"not ready after {timeout:.0f}s"
+        self.proc.kill()  # the reader then sees it end, and fails it with that reason
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -204,7 +220,7 @@ class Launcher:
                     if h.returncode is None and h._popen is None:
                         h.returncode = -9
             else:
-                self._fail(self._last_log_line() or f"it ended (exit status {self.proc.returncode})")
+                self._fail(self._late or self._last_log_line() or f"it ended (exit status {self.proc.returncode})")
             self._cond.notify_all()
             # the children started here as fresh processes die with this thread (PR_SET_PDEATHSIG
             # follows the thread that started them): it stays until the launcher is closed
@@ -272,6 +288,7 @@ class Launcher:
     def close(self) -> None:
         """Kill the children still running, close the launcher's input and wait for it (it reaps
         its children first)."""
+        self._timer.cancel()
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -324,12 +341,43 @@ def _cuda_check() -> str:
         finally:
             os._exit(rc)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        why = f.read().decode(errors="replace")
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        return "a forked child could not use CUDA: " + (why or f"exit status {os.waitstatus_to_exitcode(status)}")
+    rc, why = _wait_exit(pid, r, CUDA_CHECK_TIMEOUT_S)
+    if rc is None:
+        return f"a forked child did not finish initialising CUDA in {CUDA_CHECK_TIMEOUT_S:.0f}s"
+    if rc != 0:
+        return "a forked child could not use CUDA: " + (why or f"exit status {rc}")
     return ""
+
+
+CUDA_CHECK_TIMEOUT_S = 60.0
+
+
+def _wait_exit(pid: int, fd: int, timeout: float) -> tuple[int | None, str]:
+    """Wait for child ``pid`` to end, reading what it writes to ``fd`` (closed here): its exit
+    status and text, or (None, text) if it is still running after ``timeout`` s (it is killed)."""
+    import select
+    chunks, rc, open_ = [], None, True
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if open_ and select.select([fd], [], [], 0.05)[0]:
+                chunk = os.read(fd, 4096)
+                open_ = bool(chunk)
+                chunks.append(chunk)
+            elif not open_:
+                time.sleep(0.01)
+            if rc is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    rc = os.waitstatus_to_exitcode(status)
+            if rc is not None and not open_:
+                break
+        if rc is None:
+            _kill(pid)
+            os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    return rc, b"".join(chunks).decode(errors="replace")
 
 
 def _launcher_main(preload: list[str]) -> int:
