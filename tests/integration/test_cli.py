@@ -170,6 +170,9 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
                           "capture_other", "first_steps"} and parts["trainer"] > 0 and parts["first_steps"] > 0
     assert abs(sum(parts.values()) - mix["modes"]["tr"]["first_step_of_all_variants_seconds"]) < 1e-6
     assert "tr: first step of every variant after" in out.stdout and "record convs" in out.stdout
+    tlog = mix["modes"]["tr"]["trainer_log"]  # what the trainer reported, kept
+    assert isinstance(tlog, list) and all(isinstance(ln, str) for ln in tlog)
+    assert mix["modes"]["tr"]["launcher_error"] == "" and mix["modes"]["tr"]["launcher_ready_seconds"] is None
     # the profiler pass: per-mode time by group, the convolutions among the top operators
     assert [p["mode"] for p in res["profile"]] == ["eager", "tr"] and "kernels per step" in out.stdout
     for p in res["profile"]:

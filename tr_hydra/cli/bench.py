@@ -325,7 +325,9 @@ def mix_tr(pc, device, repeat: int) -> dict:
     """tr_hydra: build and capture every variant, then the whole schedule."""
     from tr_hydra.runtime.runner import Trainer
     t0 = time.perf_counter()
-    tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *_: None, telemetry=False)
+    trainer_log: list[str] = []  # kept in the JSON: what the run would have printed (the compiles' reports)
+    tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *a: trainer_log.append(" ".join(str(x) for x in a)),
+                 telemetry=False)
     built = time.perf_counter() - t0
     t_cap = time.perf_counter()
     tr.capture()
@@ -376,7 +378,8 @@ def mix_tr(pc, device, repeat: int) -> dict:
             "precompile": tr.precompile_summary,
             # runtime.precompile_start=fork: seconds from the trainer's start until its launcher could
             # fork, or why it could not
-            "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error}
+            "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error,
+            "trainer_log": trainer_log}
 
 
 def _ready_parts(tr, built: float, captured: float, ready: float) -> dict:
