@@ -102,6 +102,7 @@ class RuntimeSpec:
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
     dynamic_batch: bool = False
+    reuse_blocks: bool = False
     backward_streams: int = 1
     backward_join: str = "conv"
     # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
@@ -361,6 +362,8 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
     _check(runtime.backward_streams in (1, 2) and not isinstance(runtime.backward_streams, bool),
            "runtime.backward_streams", f"must be 1 or 2, got {runtime.backward_streams!r}")
+    _check(not (runtime.reuse_blocks and runtime.backward_streams == 2), "runtime.reuse_blocks",
+           "does not combine with runtime.backward_streams=2 (its pass cannot reach the blocks' own backward)")
     sc = runtime.stem_channels
     _check(sc is None or sc == "auto" or (isinstance(sc, int) and not isinstance(sc, bool) and 1 <= sc <= 64),
            "runtime.stem_channels",

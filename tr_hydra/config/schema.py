@@ -207,6 +207,7 @@ class RuntimeConfig:
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
+    reuse_blocks: bool = False       # with Inductor: each distinct residual block compiled once, its code called at every block alike
     dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
     backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side
     backward_join: BackwardJoin = BackwardJoin.conv  # with backward_streams=2: where the weight gradient's stream joins

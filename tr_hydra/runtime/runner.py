@@ -217,7 +217,18 @@ class Trainer:
             fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
             # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
             codes = (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ()
-            if fresh_compile_for(pc.runtime.recompute, options, codes):  # compiled code dropped: a compile will come
+            key_options = options
+            if pc.runtime.reuse_blocks:
+                from tr_hydra.runtime.block_reuse import INDUCTOR_OPTIONS, mark_block_regions
+                marked, distinct = mark_block_regions(model)
+                self.log(f"runtime.reuse_blocks: {marked} residual blocks share the compiled code of {distinct}"
+                         if marked else "runtime.reuse_blocks: no two residual blocks of this model are alike; "
+                                        "it is compiled whole")
+                if marked:
+                    options = {**options, **INDUCTOR_OPTIONS}  # over the user's: without them the code is wrong
+                    # blocks made regions trace to another graph: a change of it counts as one of options
+                    key_options = {**options, "tr_hydra.reuse_blocks": True}
+            if fresh_compile_for(pc.runtime.recompute, key_options, codes):  # compiled code dropped: a compile will come
                 _COMPILED_FORWARDS.clear()
             forward = torch.compile(model, dynamic=False, options=options) if options \
                 else torch.compile(model, dynamic=False)
@@ -229,6 +240,7 @@ class Trainer:
                 self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
         else:
             unused = ([f"runtime.recompute={pc.runtime.recompute}"] if pc.runtime.recompute != "none" else []) \
+                + (["runtime.reuse_blocks"] if pc.runtime.reuse_blocks else []) \
                 + (["runtime.inductor_options"] if pc.runtime.inductor_options else []) \
                 + (["runtime.backward_streams=2"] if pc.runtime.backward_streams == 2 else [])
             for key in unused:
