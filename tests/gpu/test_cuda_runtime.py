@@ -394,3 +394,39 @@ def test_stem_bench_times_every_form_inside_a_cuda_graph():
         for k, v in res.items():
             if k.startswith("max_abs_err_"):
                 assert v <= 2 * plain + 1e-2, (name, k, v, plain)
+
+
+def test_reused_blocks_on_cuda_match_the_default_step_and_leave_the_weights_alone(tmp_path, monkeypatch):
+    """runtime.reuse_blocks with Inductor in the captured step: resnet18's two alike blocks of
+    layer1 share one region; one fp32 step (TF32 off) moves every tensor as the default step
+    does, within the bound of the recompute test above (fp32 rounding amplified by
+    cancellation); and the captured forward and backward leave the weights as they were (the
+    region's code once wrote into them, see runtime/block_reuse.py)."""
+    import dataclasses
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    out, logs = {}, []
+    for reuse in (False, True):
+        torch._dynamo.reset()
+        pc = small_config(model="resnet18", device="cuda", amp=False, compile="inductor", batch=16,
+                          train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, reuse_blocks=reuse, precompile=0))
+        tr = Trainer(pc, tmp_path / str(reuse), log=logs.append, telemetry=False)
+        tr.capture()
+        before = {k: v.clone() for k, v in tr.final_state_dict().items()}
+        tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
+        torch.cuda.synchronize()
+        out[reuse] = (before, {k: v.clone() for k, v in tr.final_state_dict().items()})
+        tr.close()
+    assert "runtime.reuse_blocks: 2 residual blocks share the compiled code of 1" in logs
+    (b0, want), (b1, got) = out[False], out[True]
+    checked = 0
+    for k, w in want.items():
+        assert torch.equal(b0[k], b1[k]), k
+        change = (w.double() - b0[k].double()).norm()
+        if not w.is_floating_point() or change == 0:
+            continue
+        checked += 1
+        assert ((got[k].double() - w.double()).norm() / change).item() < 5e-2, k
+    assert checked > 50
+    torch._dynamo.reset()
