@@ -153,10 +153,15 @@ def _region_forward(region):
         # and every parameter lives in the arena's (the gradients flow back through the copy)
         out, *stats = region(self, x, *[p.clone() for p in _params(self)])
         with torch.no_grad():
+            # one foreach update per momentum (one kernel on CUDA), not one per statistic
+            by_momentum: dict[float, tuple[list, list]] = {}
             for b, mean, var in zip(_norms(self), stats[0::2], stats[1::2]):
-                b.running_mean.lerp_(mean.to(b.running_mean.dtype), b.momentum)
-                b.running_var.lerp_(var.to(b.running_var.dtype), b.momentum)
+                run, new = by_momentum.setdefault(float(b.momentum), ([], []))
+                run += [b.running_mean, b.running_var]
+                new += [mean.to(b.running_mean.dtype), var.to(b.running_var.dtype)]
                 if b.num_batches_tracked is not None:
                     b.num_batches_tracked.add_(1)
+            for momentum, (run, new) in by_momentum.items():
+                torch._foreach_lerp_(run, new, momentum)
         return out
     return forward
