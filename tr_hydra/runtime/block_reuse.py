@@ -9,9 +9,9 @@ host Python, so there is less of it to do before the first step.
 
 PyTorch's regions cannot mutate their inputs in training (``invoke_subgraph`` refuses in-place
 updates of buffers), and BatchNorm in training updates its running statistics in place. So inside
-a region each BatchNorm normalises with the batch's own statistics (``F.batch_norm`` with no
-running statistics, as BatchNorm in training does) and returns the batch's mean and unbiased
-variance; the block's forward, outside the region, folds them into the running statistics with
+a region each BatchNorm normalises with the batch's own statistics (``torch.native_batch_norm``
+with no running statistics, as BatchNorm in training does) and returns the batch's mean and
+unbiased variance; the block's forward, outside the region, folds them into the running statistics with
 the module's momentum, which is what ``nn.BatchNorm2d`` does in place. In evaluation a region
 calls each BatchNorm as it is (folded or not). Outside ``torch.compile`` a region is a plain call.
 
@@ -39,10 +39,14 @@ INDUCTOR_OPTIONS = {"allow_buffer_reuse": False}
 
 
 def _bn(m: nn.BatchNorm2d, x: torch.Tensor, weight, bias, stats: list) -> torch.Tensor:
-    out = F.batch_norm(x, None, None, weight, bias, True, 0.0, m.eps)
+    # BatchNorm in training on the batch's statistics, as ``F.batch_norm`` without running
+    # statistics, through the op that also returns them: the batch's mean and 1/sqrt(var + eps)
+    # (float32 for 16-bit inputs), so the input is reduced over once, not a second time for the
+    # statistics (a second ``var_mean`` cost a read of every normalised activation per step)
+    out, mean, rstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, m.eps)
     with torch.no_grad():
-        # in float32 at least, as BatchNorm computes its statistics of 16-bit inputs
-        var, mean = torch.var_mean(x.to(torch.promote_types(x.dtype, torch.float32)), dim=(0, 2, 3), correction=1)
+        n = x.numel() // x.shape[1]
+        var = (rstd.reciprocal().square() - m.eps) * (n / max(n - 1, 1))  # unbiased, as BatchNorm keeps
     stats.append(mean)
     stats.append(var)
     return out
