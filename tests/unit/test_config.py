@@ -52,6 +52,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("variants.batch_size=100000", "training set size"),
     ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
     ("runtime.precompile_start=fast", "expected one of [spawn, fork]"),
+    ("runtime.maxpool=gathr", "expected one of [auto, gather, native]"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -115,6 +116,24 @@ def test_rerun_of_a_config_saved_before_runtime_stem_keeps_the_plain_conv(tmp_pa
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     got = rerun_overrides(tmp_path)
     assert "runtime.stem='space_to_depth'" in got and "runtime.stem=conv" not in got
+
+
+def test_rerun_of_a_config_saved_before_runtime_maxpool_keeps_the_models_pooling(tmp_path):
+    """Runs saved before runtime.maxpool existed ran the model's own nn.MaxPool2d; their rerun
+    composes to native, while a config that has the key keeps its own value."""
+    import yaml
+
+    from tr_hydra.cli.rerun import rerun_overrides
+    (tmp_path / ".hydra").mkdir()
+    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto"}}
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "runtime.maxpool=native" in got
+    assert plan_config_from(compose(got)).runtime.maxpool == "native"
+    cfg["runtime"]["maxpool"] = "gather"
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "runtime.maxpool='gather'" in got and "runtime.maxpool=native" not in got
 
 
 def test_rerun_of_a_config_saved_before_stem_channels_reads_the_image_as_it_was(tmp_path):

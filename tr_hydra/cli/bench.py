@@ -204,6 +204,7 @@ class Mode:
 
 KERNEL_GROUPS = (  # first match wins: where a step's device time goes
     ("tr_hydra range kernels", ("_update_kernel", "_lars_kernel", "_cast_kernel", "_ema_kernel", "_nonfinite")),
+    ("tr_hydra max pooling backward", ("maxpool_gather_backward",)),
     ("NCCL", ("nccl",)),
     # before the convolutions: Inductor names its kernels after the ops they fuse, and
     # "convolution_backward" in a fused elementwise kernel's name does not make it a convolution
@@ -750,6 +751,10 @@ def settings_lines(pc, device_type: str) -> list[str]:
         lines.append(f"tr_hydra's convolution over the image reads its input zero-padded to a multiple of "
                      f"{multiple} channels (runtime.stem_channels={pc.runtime.stem_channels}); the PyTorch modes "
                      f"run the model's own")
+    if pc.runtime.maxpool == "gather" or (pc.runtime.maxpool == "auto" and device_type == "cuda"):
+        who = "tr_hydra" if pc.runtime.maxpool == "gather" else "tr_hydra with Inductor"
+        lines.append(f"{who} computes max pooling's backward as one gathering kernel "
+                     f"(runtime.maxpool={pc.runtime.maxpool}); the PyTorch modes run the model's own")
     return lines
 
 

@@ -25,7 +25,7 @@ def _value(v) -> str:
 
 # Keys added after runs were saved, with the value that reproduces what those runs did (their
 # default then); a saved config without the key reruns with it.
-_BEFORE_KEY = (("runtime.stem", "conv"), ("runtime.stem_channels", "null"))
+_BEFORE_KEY = (("runtime.stem", "conv"), ("runtime.stem_channels", "null"), ("runtime.maxpool", "native"))
 
 
 def _has(config: dict, dotted: str) -> bool:

@@ -98,6 +98,7 @@ class RuntimeSpec:
     precompile_start: str = "spawn"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this
+    maxpool: str = "auto"
     recompute: str = "none"
     prime_cudnn: bool = True
     autotune_flush: str = "fit"

@@ -83,6 +83,12 @@ class Stem(enum.Enum):
     space_to_depth = "space_to_depth"  # a stride-2 stem over the image as a stride-1 conv over 2x2 blocks
 
 
+class MaxPool(enum.Enum):
+    auto = "auto"      # gather on CUDA with Inductor, native elsewhere
+    gather = "gather"  # the backward as one gathering kernel (Triton on CUDA; PyTorch's elsewhere)
+    native = "native"  # the model's own nn.MaxPool2d
+
+
 class Recompute(enum.Enum):
     none = "none"            # the partitioner's default: BatchNorm+ReLU outputs saved for the backward
     pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
@@ -204,6 +210,7 @@ class RuntimeConfig:
     precompile_start: PrecompileStart = PrecompileStart.spawn  # how a child starts: a fresh process | forked from a launcher that has imported PyTorch (Linux)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)
+    maxpool: MaxPool = MaxPool.auto  # max pooling's backward: one gathering Triton kernel on CUDA with Inductor (same numbers)
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak

@@ -182,6 +182,13 @@ class Trainer:
             self.log(f"runtime.stem_channels={pc.runtime.stem_channels}: " + ", ".join(
                 f"{name} reads {m.read_channels()} channels" for name, m in model.named_modules()
                 if name in self.compiled.model_map.first_convs and hasattr(m, "read_channels")))
+        from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
+        self.maxpools: list[str] = []  # max poolings whose backward is the gathering kernel
+        if uses_gather(pc.runtime.maxpool, self.device.type, pc.runtime.compile):
+            self.maxpools = gather_maxpools(model)
+            if self.maxpools:
+                self.log(f"runtime.maxpool: {', '.join(self.maxpools)}'s backward gathers each input element's "
+                         "gradient in one kernel" + (" (Triton)" if self.device.type == "cuda" else ""))
         if self.device.type == "cpu":
             nchw_compute_on_cpu(model)
         if pc.runtime.deterministic:
