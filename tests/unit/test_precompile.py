@@ -403,8 +403,9 @@ def test_which_trainers_start_a_launcher(monkeypatch):
 
     def rt(**kw):
         return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, **kw))
-    assert base.runtime.precompile_start == "spawn"
-    assert not pcm.launcher_wanted(rt(compile="auto"), "cuda", 16)  # the default: fresh processes
+    assert base.runtime.precompile_start == "auto"
+    assert pcm.launcher_wanted(rt(compile="auto"), "cuda", 16)  # the default: forked where fork is available
+    assert not pcm.launcher_wanted(rt(compile="auto", precompile_start="spawn"), "cuda", 16)  # fresh processes
     pc = rt(compile="auto", precompile_start="fork")  # Inductor on CUDA, forked children
     assert pcm.launcher_wanted(pc, "cuda", 16)
     assert not pcm.launcher_wanted(pc, "cpu", 16)
@@ -416,17 +417,20 @@ def test_which_trainers_start_a_launcher(monkeypatch):
     assert not pcm.launcher_wanted(rt(compile="none", **fork), "cuda", 16)
     assert not pcm.launcher_wanted(dataclasses.replace(pc, world_size=2), "cuda", 64)  # ddp: auto is off
     monkeypatch.setattr(pcm, "fork_available", lambda: False)
-    assert pcm.start_method("fork") == "spawn"
+    assert pcm.start_method("fork") == "spawn" and pcm.start_method("auto") == "spawn"
     assert not pcm.launcher_wanted(pc, "cuda", 16)
+    assert not pcm.launcher_wanted(rt(compile="auto"), "cuda", 16)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: False)
     monkeypatch.setattr(pcm, "fork_available", lambda: True)
     assert pcm.start_method("fork") == "fork" and pcm.start_method("spawn") == "spawn"
+    assert pcm.start_method("auto") == "fork"
     assert not pcm.launcher_wanted(pc, "cuda", 16)           # no Inductor caches: nothing to warm
 
 
-def test_default_start_is_spawn_and_fork_is_accepted():
+def test_default_start_is_auto_and_spawn_and_fork_are_accepted():
     # (a bad value is refused in one line: test_config.test_bad_override_exits_nonzero_with_one_line)
-    assert plan_config_from(compose([])).runtime.precompile_start == "spawn"
+    assert plan_config_from(compose([])).runtime.precompile_start == "auto"
+    assert plan_config_from(compose(["runtime.precompile_start=spawn"])).runtime.precompile_start == "spawn"
     assert plan_config_from(compose(["runtime.precompile_start=fork"])).runtime.precompile_start == "fork"
 
 

@@ -105,6 +105,7 @@ class AutotuneFlush(enum.Enum):
 
 
 class PrecompileStart(enum.Enum):
+    auto = "auto"    # fork where available (Linux), else spawn
     spawn = "spawn"  # each child a fresh Python process
     fork = "fork"    # children forked from a launcher that has imported PyTorch, the trainer and Inductor (Linux)
 
@@ -207,7 +208,7 @@ class RuntimeConfig:
     kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
     precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
     precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
-    precompile_start: PrecompileStart = PrecompileStart.spawn  # how a child starts: a fresh process | forked from a launcher that has imported PyTorch (Linux)
+    precompile_start: PrecompileStart = PrecompileStart.auto  # how a child starts: auto (fork on Linux, else spawn) | a fresh process | forked from a launcher that has imported PyTorch (Linux)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)
     maxpool: MaxPool = MaxPool.auto  # max pooling's backward: one gathering Triton kernel on CUDA with Inductor (same numbers)

@@ -11,11 +11,11 @@ Nothing the children compute is used: they only warm caches. A child that fails 
 a compile error) costs nothing but its time; the main process then compiles that variant
 itself, as it would have without precompilation.
 
-How a child starts (``runtime.precompile_start``): ``spawn``, the default, starts each child as
-a fresh Python process; ``fork`` (Linux) forks each child from a launcher process that imported
-PyTorch, the trainer and Inductor while the training process was building its trainer, so the
-children skip that import (9-12 s each on the H200's host with five of them starting
-together).
+How a child starts (``runtime.precompile_start``): ``spawn`` starts each child as a fresh Python
+process; ``fork`` (Linux) forks each child from a launcher process that imported PyTorch, the
+trainer and Inductor while the training process was building its trainer, so the children skip
+that import (7-10 s each on the H200's host with five of them starting together). ``auto``, the
+default, is ``fork`` where it is available and ``spawn`` elsewhere.
 """
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def fork_available() -> bool:
 
 
 def start_method(setting: str) -> str:
-    """``runtime.precompile_start`` resolved: ``fork`` where asked for and available, else
-    ``spawn``."""
-    return "fork" if setting == "fork" and fork_available() else "spawn"
+    """``runtime.precompile_start`` resolved: ``fork`` where asked for (``fork``, or ``auto``,
+    the default) and available, else ``spawn``."""
+    return "fork" if setting in ("fork", "auto") and fork_available() else "spawn"
 
 
 def child_env() -> dict:
