@@ -132,6 +132,13 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
         assert all(r["import_s"] < 1.0 for r in s.values()), s
         assert tr.launcher_ready_s is not None
     assert all(r["fxgraph_cache_miss"] > 0 for r in s.values()), s  # the children compiled
+    # the validation children ran their share of the main process's cuDNN search beside their
+    # compile, without error; the training children none
+    shares = {n: r["cudnn_share"] for n, r in s.items()}
+    val = [shares[n] for n in ("val_base", "val_last")]
+    assert all(sh is not None and sh["of"] > 0 and "error" not in sh for sh in val), shares
+    assert sum(sh["of"] for sh in val) == tr.cudnn_prime.calls, (shares, tr.cudnn_prime)
+    assert all(shares[n] is None for n in ("train_last", "train_lowres", "train_lowres_last")), shares
     assert hits >= len(s), (hits, s)  # and the main process loaded what they compiled
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
 

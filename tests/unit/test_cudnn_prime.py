@@ -285,9 +285,7 @@ def test_closing_the_search_ahead_with_no_compile_stops_its_thread(monkeypatch):
         ran.append(time.perf_counter())
         time.sleep(0.1)
     monkeypatch.setattr(cp.ConvCall, "run", slow_run)
-    calls = [cp.ConvCall(False, cp.TensorSpec((1, c, 4, 4), (16 * c, 16, 4, 1), torch.float32),
-                         cp.TensorSpec((c, c, 1, 1), (c, 1, 1, 1), torch.float32), (1, 1), (0, 0), (1, 1),
-                         False, (0, 0), 1) for c in range(1, 41)]  # 40 distinct: 4 s in all
+    calls = _distinct_calls(40)  # 4 s in all
     job = cp.BeforeFirstRun(calls, torch.device("cpu"), None, lambda: pytest.fail("no compile, no main search"))
     time.sleep(0.25)
     t = time.perf_counter()
@@ -346,3 +344,100 @@ def test_meta_runs_with_batchnorm_memoized_give_the_same_shapes_saved_bytes_and_
     with torch.no_grad(), memo:
         m.eval()(x)
     assert memo.hits >= 20  # ResNet-50's 53 BatchNorms have few distinct shapes
+
+
+def _distinct_calls(n: int):
+    return [cp.ConvCall(False, cp.TensorSpec((1, c, 4, 4), (16 * c, 16, 4, 1), torch.float32),
+                        cp.TensorSpec((c, c, 1, 1), (c, 1, 1, 1), torch.float32), (1, 1), (0, 0), (1, 1),
+                        False, (0, 0), 1) for c in range(1, n + 1)]
+
+
+def test_shares_of_the_search_cover_every_distinct_call_once_from_the_end():
+    calls = cp.record(torchvision.models.resnet18(num_classes=7), 2, 3, 32, torch.float32, True)
+    calls = calls + calls[:5]  # duplicates, as several variants give
+    todo = cp.unique(calls)
+    shares = [cp.share_of(calls, k, 5) for k in range(5)]
+    flat = [c for s in shares for c in s]
+    assert len(flat) == len(set(flat)) == len(todo)  # every distinct call, once
+    assert set(flat) == set(todo)
+    assert shares[0][0] == todo[-1] and shares[1][0] == todo[-2]  # the main process starts at todo[0]
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    for bad in ((5, 5), (-1, 5), (0, 0)):
+        with pytest.raises(ValueError):
+            cp.share_of(calls, *bad)
+
+
+def _timed_runs(monkeypatch, seconds=0.1):
+    import threading
+    import time
+    ran = []
+
+    def run(self, device):
+        time.sleep(seconds)
+        ran.append((threading.get_ident(), time.perf_counter()))
+    monkeypatch.setattr(cp.ConvCall, "run", run)
+    return ran
+
+
+def test_a_share_runs_beside_the_compile_and_ends_before_the_compiled_code_runs(monkeypatch):
+    """In a parallel compile's process: the share runs on a thread while Dynamo compiles; at the
+    end of the compile on the owner thread it is stopped after the convolution in progress, and
+    ``after`` (cuDNN's search off) runs before the compiled code does; a compile on another
+    thread does not end it."""
+    import threading
+    import time
+    torch._dynamo.reset()
+    ran = _timed_runs(monkeypatch)
+    ended = []
+    job = cp.ShareBeforeRun(_distinct_calls(40), torch.device("cpu"),  # 4 s of runs in all
+                            after=lambda: ended.append(time.perf_counter()))
+    other = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+    t = threading.Thread(target=lambda: other(torch.ones(2)))
+    t.start()
+    t.join()
+    assert ended == [] and job._thread.is_alive()
+    time.sleep(0.35)
+    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    out = f(torch.ones(3))
+    returned = time.perf_counter()
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert len(ended) == 1 and ended[0] <= returned and not job._thread.is_alive()
+    assert all(r[0] != threading.get_ident() and r[1] <= ended[0] for r in ran)
+    assert 1 <= len(ran) < 40, len(ran)
+    rep = job.close()
+    assert len(ended) == 1  # once
+    assert job.calls == 40 and rep.calls == len(ran) and job.error == ""
+    from torch._dynamo.callback import callback_handler
+    assert job._cb not in callback_handler.end_callbacks
+
+
+def test_a_share_closed_with_no_compile_stops_its_thread_and_runs_after(monkeypatch):
+    torch._dynamo.reset()
+    ran = _timed_runs(monkeypatch)
+    ended = []
+    job = cp.ShareBeforeRun(_distinct_calls(40), torch.device("cpu"), after=lambda: ended.append(1))
+    import time
+    time.sleep(0.25)
+    rep = job.close()
+    assert ended == [1] and not job._thread.is_alive() and 1 <= rep.calls == len(ran) < 40
+
+
+def test_a_share_that_fails_says_why_and_still_runs_after(monkeypatch):
+    torch._dynamo.reset()
+
+    def run(self, device):
+        raise RuntimeError("CUDA error: out of memory\nmore")
+    monkeypatch.setattr(cp.ConvCall, "run", run)
+    ended = []
+    job = cp.ShareBeforeRun(_distinct_calls(3), torch.device("cpu"), after=lambda: ended.append(1))
+    assert job.close() is None and ended == [1]
+    assert job.error == "RuntimeError: CUDA error: out of memory"
+
+
+def test_the_driver_cache_setting_decides_whether_shares_run(monkeypatch):
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+    assert cp.jit_cache_shared()
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "0")
+    assert cp.jit_cache_shared()
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
+    assert not cp.jit_cache_shared()

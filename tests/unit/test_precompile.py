@@ -304,6 +304,7 @@ def test_spawned_children_report_their_start_too():
     finally:
         pre.close()
     assert s["ok"] and s["start"] == "spawn" and s["start_s"] >= 0, s
+    assert s["cudnn_share"] is None  # its share argument read (and nothing to share on the CPU)
 
 
 @fork_only
@@ -515,3 +516,98 @@ def test_a_launcher_and_its_children_end_with_a_trainer_killed_outright(after, t
     if after:
         with open(log) as f:
             assert not [ln for ln in f if ln.startswith("{")]  # it never finished
+
+
+def test_each_child_is_given_its_share_of_the_cudnn_search(tmp_path):
+    """The children that share the main process's cuDNN search get a distinct share k/n each,
+    after the arguments they had before."""
+    pc = small_config(train_size=80, val_size=40)
+    got = []
+
+    class Proc:
+        pid = 1
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    class Launcher:
+        def start(self, argv, log_path):
+            got.append(list(argv))
+            return Proc()
+
+        def close(self):
+            pass
+
+    pre = pcm.Precompiler(pc, [("train_last", True), ("val_base", False), ("train_lowres", True), ("val_last", False)],
+                          workers=4, log=lambda *_: None, launcher=Launcher())
+    pre.close()
+    assert [a[1] for a in got] == ["train_last", "val_base", "train_lowres", "val_last"]
+    # the validation children share the search (their compiles end first); the training children do not
+    assert [a[4:] for a in got] == [[], [pcm.SHARE_FLAG + "0/2"], [], [pcm.SHARE_FLAG + "1/2"]]
+    got.clear()
+    pre = pcm.Precompiler(pc, [("train_last", True), ("train_lowres", True)], workers=2, log=lambda *_: None,
+                          launcher=Launcher())
+    pre.close()  # no validation child: every child shares
+    assert [a[4:] for a in got] == [[pcm.SHARE_FLAG + "0/2"], [pcm.SHARE_FLAG + "1/2"]]
+
+
+def test_a_childs_share_runs_on_cuda_only_with_the_driver_cache_and_a_search_to_share(monkeypatch):
+    import torch
+    from tr_hydra.runtime import cudnn_prime as cp
+    from tests.unit.test_cudnn_prime import _distinct_calls
+    calls = _distinct_calls(7)
+    made = []
+
+    class Job:
+        def __init__(self, mine, device, after=None):
+            made.append((mine, device, after))
+
+    class Tr:
+        device = torch.device("cuda", 0)
+
+        def _prime_calls(self):
+            return calls
+
+    monkeypatch.setattr(cp, "ShareBeforeRun", Job)
+    monkeypatch.setattr(cp, "can_search_ahead", lambda: True)
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+    assert isinstance(pcm._share_search(Tr(), (1, 3)), Job)
+    mine, device, after = made[-1]
+    assert mine == cp.share_of(calls, 1, 3) == [calls[5], calls[2]] and device == Tr.device
+    was = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = True
+        after()  # at the end of the child's compile: its own step searches nothing
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = was
+    assert pcm._share_search(Tr(), None) is None
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
+    assert pcm._share_search(Tr(), (1, 3)) is None
+    monkeypatch.delenv("CUDA_CACHE_DISABLE")
+    cpu = Tr()
+    cpu.device = torch.device("cpu")
+    assert pcm._share_search(cpu, (1, 3)) is None
+    none = Tr()
+    none._prime_calls = lambda: None  # runtime.prime_cudnn off, or deterministic
+    assert pcm._share_search(none, (1, 3)) is None
+    assert len(made) == 1
+
+
+def test_bench_line_shows_each_childs_share_of_the_search():
+    from tr_hydra.cli.bench import _precompile_line
+    s = {"val_base": {"ok": True, "seconds": 30.0, "start": "fork", "step_s": 20.0,
+                      "cudnn_share": {"calls": 40, "of": 41, "seconds": 12.44}},
+         "val_last": {"ok": True, "seconds": 31.0, "start": "fork", "step_s": 21.0,
+                      "cudnn_share": {"calls": 0, "of": 41, "seconds": 0.0, "error": "RuntimeError: no room"}},
+         "train_last": {"ok": True, "seconds": 60.0, "start": "fork", "step_s": 50.0, "cudnn_share": None}}
+    line = _precompile_line(s, 6.1)
+    assert "val_base 30.0s (step 20.0s, cuDNN share 40/41 in 12.4s)" in line
+    assert "cuDNN share 0/41 in 0.0s (RuntimeError: no room)" in line
+    assert "train_last 60.0s (step 50.0s)" in line

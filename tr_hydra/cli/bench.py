@@ -601,6 +601,10 @@ def _precompile_line(summary: dict | None, launcher_ready: float | None, launche
             parts.append(f"{name} here")
             continue
         split = [f"{k} {c[k + '_s']:.1f}s" for k in ("start", "import", "trainer", "step") if c.get(k + "_s") is not None]
+        share = c.get("cudnn_share")
+        if share:  # its share of the main process's cuDNN search, run beside its compile
+            split.append(f"cuDNN share {share['calls']}/{share['of']} in {share['seconds']:.1f}s"
+                         + (f" ({share['error']})" if share.get("error") else ""))
         parts.append(f"{name} {c['seconds']:.1f}s{'' if c['ok'] else ' (failed)'}" + (f" ({', '.join(split)})" if split else ""))
     head = f"parallel compiles ({'/'.join(starts) or 'none started'}"
     if launcher_error:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspaces per child
 PARENT_VAR = "TR_HYDRA_PRECOMPILE_PARENT"  # the pid of the process that started a child
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SHARE_FLAG = "--cudnn-share="  # a child's argument: its share k/n of the main process's cuDNN search
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -535,6 +536,9 @@ class Precompiler:
             c = self._queue.pop(0)
             c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
             argv = [self._pc_path, ",".join((c.name,) + c.also), "train" if c.train else "val", str(self.device_index)]
+            sharers = self._sharers()
+            if c in sharers:
+                argv.append(f"{SHARE_FLAG}{sharers.index(c)}/{len(sharers)}")
             try:
                 c.proc = (self.launcher.start(argv, c.log_path) if self.launcher is not None
                           else _spawn(argv, c.log_path, self._env))
@@ -545,6 +549,16 @@ class Precompiler:
             c.started = time.perf_counter()
             c.started_wall = time.time()
             running += 1
+
+    def _sharers(self) -> list[_Child]:
+        """The children that run a share of the main process's cuDNN search beside their compile
+        (see ``cudnn_prime``): the validation variants', whose compile (a forward only) ends in
+        about half the time of a training variant's, so their share delays no variant; where
+        there are none, every child. (Measured with every child sharing, on the H200's cold
+        six-variant mix: the main process waited 3.3-4.0 s for the search instead of 15.9 s,
+        but the training children, the last to finish, took 5 s longer.)"""
+        val = [c for c in self.children if not c.train]
+        return val or self.children
 
     def _reap(self, c: _Child, block: bool) -> bool:
         if c.proc is None or c.ok is not None:
@@ -664,6 +678,25 @@ def die_with_parent(var: str = PARENT_VAR) -> bool:
     return not (parent and parent.isdigit() and os.getppid() != int(parent))
 
 
+def _share_search(tr, share: tuple[int, int] | None):
+    """This child's share ``(k, n)`` of the convolutions the main process will search (every
+    variant's, as it records them), on a thread until the child's compile ends
+    (``cudnn_prime.ShareBeforeRun``), or None: no share given, no search in the main process
+    (``runtime.prime_cudnn`` off, not CUDA, deterministic), the driver's cache off, or no
+    compile-end callback in this PyTorch."""
+    from tr_hydra.runtime import cudnn_prime
+    if share is None or tr.device.type != "cuda" or not cudnn_prime.jit_cache_shared() \
+            or not cudnn_prime.can_search_ahead():
+        return None
+    calls = tr._prime_calls()
+    mine = cudnn_prime.share_of(calls, *share) if calls else []
+    if not mine:
+        return None
+    import torch
+    return cudnn_prime.ShareBeforeRun(mine, tr.device,
+                                      after=lambda: setattr(torch.backends.cudnn, "benchmark", False))
+
+
 def _child_main(argv: list[str], sent: float | None = None) -> int:
     """One variant's step, once, in a fresh process or one forked by a launcher (or several
     variants', comma-separated, one after another): the compiles land in the shared caches.
@@ -673,6 +706,11 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
     if not die_with_parent():
         print("the process that started this compile has ended; nothing to do", flush=True)
         return 1
+    share = None  # (k, n): this child's share of the main process's cuDNN search
+    for a in [a for a in argv if a.startswith(SHARE_FLAG)]:
+        argv.remove(a)
+        k, n = a[len(SHARE_FLAG):].split("/")
+        share = (int(k), int(n))
     if len(argv) == 5:
         sent = float(argv.pop())
     path, names, split, index = argv
@@ -692,21 +730,32 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
         tr = Trainer(pc, run_dir, log=lambda *_: None, telemetry=False, source=False, launcher=False)
         t_trainer = time.perf_counter()  # with the CUDA context
         # cuDNN's algorithm search is the main process's to do (it times on the shared GPU); the
-        # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
-        torch.backends.cudnn.benchmark = False
-        for name in names.split(","):
-            if split == "train":
-                tr.ex.train_step(name, "A")
-            else:
-                tr.model.eval()
-                with tr.ex.folded():
-                    tr.ex.val_step(name, "A")
+        # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key).
+        # Beside the compile, a share of that search runs here only to have the driver compile
+        # cuDNN's kernels into its shared cache; it ends before the compiled code runs
+        job = _share_search(tr, share)
+        if job is None:
+            torch.backends.cudnn.benchmark = False
+        try:
+            for name in names.split(","):
+                if split == "train":
+                    tr.ex.train_step(name, "A")
+                else:
+                    tr.model.eval()
+                    with tr.ex.folded():
+                        tr.ex.val_step(name, "A")
+        finally:
+            rep = job.close() if job is not None else None
         if tr.device.type == "cuda":
             torch.cuda.synchronize(tr.device)
     t_end = time.perf_counter()
+    shared = None
+    if job is not None:
+        shared = {"calls": rep.calls if rep else 0, "of": job.calls, "seconds": round(rep.seconds, 2) if rep else 0.0,
+                  **({"error": job.error} if job.error else {})}
     out = dict(_counters(), variants=names.split(","), start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
-               step_s=round(t_end - t_trainer, 2), phases_s=_phases(), done_at=time.time())
+               step_s=round(t_end - t_trainer, 2), phases_s=_phases(), cudnn_share=shared, done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 
