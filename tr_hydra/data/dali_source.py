@@ -183,7 +183,8 @@ class DaliSource:
                 raise ConfigError(f"data.{split}_size: the plan expects {total} {split} samples "
                                   f"but the source has {len(self.index[split])}")
             self.index[split] = self.index[split].subset(total)
-        # DALI has no bfloat16: bf16 runs get fp16 from DALI and cast on the copy into the arena
+        # DALI has no bfloat16: bf16 runs get fp16 from DALI, written into the arena as it is
+        # (executor.input_dtype); the step's first convolution converts it
         self.half = out_dtype in (torch.float16, torch.bfloat16)
         self.dali_dtype = torch.float16 if self.half else torch.float32
         self._pipes: dict[tuple, object] = {}    # synchronous pipelines (fallback, bad-file search)
