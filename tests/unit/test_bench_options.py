@@ -40,3 +40,21 @@ def test_the_pytorch_modes_compile_with_the_options(monkeypatch):
     seen.clear()
     bench._compiled_step("resnet_mini", 10, cpu, False, opts)
     assert seen == [{"options": opts}]
+
+
+def _record(mode: str, rate: float) -> dict:
+    return {"mode": mode, "img_per_sec_median": rate, "spread": 0.01, "peak_bytes": 2**30,
+            "first_step_seconds": 1.0, "memory": {}}
+
+
+def test_the_table_shows_ratios_to_the_best_pytorch_mode_and_a_dash_without_one():
+    from tr_hydra.cli.bench import table
+    rows = {line.split()[0]: line for line in table([_record("reduce-overhead", 4000.0),
+                                                     _record("eager", 2000.0),
+                                                     _record("tr-inductor", 4200.0)]).splitlines()}
+    assert rows["tr-inductor"].split()[3] == "1.050"  # 4200 / 4000, the best PyTorch mode
+    assert rows["eager"].split()[3] == "0.500"
+    assert rows["best"] == "best PyTorch mode: reduce-overhead"
+    only = table([_record("tr-inductor", 7890.9)]).splitlines()
+    assert only[1].split()[3] == "-"  # tr_hydra alone: nothing to divide by
+    assert "nan" not in "\n".join(only) and "best PyTorch mode" not in "\n".join(only)

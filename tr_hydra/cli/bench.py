@@ -620,9 +620,10 @@ def table(records: list[dict]) -> str:
     best = max(pt, key=lambda r: r["img_per_sec_median"]) if pt else None
     lines = [f"{'mode':<16} {'img/s':>10} {'spread':>7} {'x best PyTorch':>15} {'peak MiB':>9} {'first step s':>13}"]
     for r in records:
-        ratio = r["img_per_sec_median"] / best["img_per_sec_median"] if best else float("nan")
+        # no PyTorch mode in the run: no ratio to show
+        ratio = f"{r['img_per_sec_median'] / best['img_per_sec_median']:.3f}" if best else "-"
         lines.append(f"{r['mode']:<16} {r['img_per_sec_median']:>10,.1f} {100 * r['spread']:>6.1f}% "
-                     f"{ratio:>15.3f} {r['peak_bytes'] / 2**20:>9,.0f} {r['first_step_seconds']:>13.1f}")
+                     f"{ratio:>15} {r['peak_bytes'] / 2**20:>9,.0f} {r['first_step_seconds']:>13.1f}")
     if best:
         lines.append(f"best PyTorch mode: {best['mode']}")
     for r in records:
