@@ -117,6 +117,8 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
                       val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_start=start))
+    from tr_hydra.runtime import progress
+    monkeypatch.setattr(progress, "EVERY_S", 1.0)  # the warm-up's progress lines, every second here
     logs = []
     tr = Trainer(pc, tmp_path / "run", log=logs.append)
     assert (tr._launcher is not None) == (start == "fork")
@@ -141,6 +143,11 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     assert all(shares[n] is None for n in ("train_last", "train_lowres", "train_lowres_last")), shares
     assert hits >= len(s), (hits, s)  # and the main process loaded what they compiled
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
+    # while it compiled and waited, the warm-up said so; the lines end before the capture
+    still = [i for i, line in enumerate(logs) if line.startswith("  still ")]
+    captured = next(i for i, line in enumerate(logs) if line.startswith("captured "))
+    assert still and max(still) < captured, logs
+    assert any("warming up train_base" in logs[i] for i in still), logs
 
 
 def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):

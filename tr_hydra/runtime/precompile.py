@@ -603,6 +603,13 @@ class Precompiler:
                 return
             time.sleep(0.05)
 
+    def running_note(self) -> str | None:
+        """``"3 parallel compiles running"``, or None when none is: for the warm-up's progress
+        lines, from another thread. It asks the processes themselves (``poll``), since the main
+        thread only reaps them between its own compiles."""
+        n = sum(1 for c in list(self.children) if c.proc is not None and c.ok is None and c.proc.poll() is None)
+        return f"{n} parallel compile{'s' if n != 1 else ''} running" if n else None
+
     def next_ready(self, names: list[str]) -> str:
         """The first of ``names`` (in order) that needs no waiting: its child is done, or it has
         none (the main process compiles it). If every one waits on a running child, block until

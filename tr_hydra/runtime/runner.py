@@ -117,6 +117,18 @@ def warm_up_order(shared: dict[str, str], pre=None):
     return pick
 
 
+def warm_up_progress(beat, pre=None):
+    """The warm-up's ``before_variant``: says what the wait is (``beat``: a
+    ``progress.Heartbeat``), first the wait for the variant's parallel compile (``pre``),
+    then its own warm-up, in which the main process compiles it or loads the child's work."""
+    def before_variant(v: str) -> None:
+        if pre is not None:
+            beat.now(f"waiting for {v}'s parallel compile")
+            pre.wait(v)
+        beat.now(f"warming up {v}")
+    return before_variant
+
+
 # the model forwards this process has compiled with a search ahead (see Trainer._search_ahead)
 _COMPILED_FORWARDS: set = set()
 
@@ -342,6 +354,7 @@ class Trainer:
             self.prime_cudnn()
             return
         from tr_hydra.runtime.graphs import CudaGraphs
+        from tr_hydra.runtime.progress import Heartbeat
         self.graphs = CudaGraphs(self.ex)
         train_v = [v.name for v in pc.variants if v.train]
         val_v = [v.name for v in pc.variants if not v.train]
@@ -360,22 +373,28 @@ class Trainer:
         self._close_launcher()  # not used: no parallel compiles after all
         self.capture_phases["start_children"] = time.perf_counter() - t
         ahead = None
+        # a line every 30 s while the search, a variant's compile or the wait for a parallel
+        # one goes on: the first compile alone is 40-60 s on the H200, and nothing else is said
+        beat = Heartbeat(self.log, extra=pre.running_note if pre else None)
         try:
             # cuDNN's search while the children compile; with Inductor, started on a thread
             # while this process compiles its first variant and finished here before that
             # variant's compiled code runs (see cudnn_prime.BeforeFirstRun)
             ahead = self._search_ahead()
             if ahead is None and self.cudnn_prime is None:
-                self.prime_cudnn()
+                with beat:
+                    beat.now("searching cuDNN's algorithms (runtime.prime_cudnn)")
+                    self.prime_cudnn()
 
             def settle() -> None:  # before the first capture, which must see no other thread's work
                 nonlocal ahead
+                beat.close()
                 if ahead is not None:
                     job, ahead = ahead, None
                     self._settle_search_ahead(job)
-            with self._autotune_flush() as flush:
+            with self._autotune_flush() as flush, beat:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
-                                    before_variant=pre.wait if pre else None,
+                                    before_variant=warm_up_progress(beat, pre),
                                     next_variant=warm_up_order(shared, pre), before_capture=settle)
             if flush is not None:
                 self.autotune_flush = flush

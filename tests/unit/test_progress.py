@@ -1,0 +1,97 @@
+"""The warm-up's progress lines (runtime/progress.py), on a clock the test moves."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from tr_hydra.runtime.precompile import Precompiler
+from tr_hydra.runtime.progress import Heartbeat
+from tr_hydra.runtime.runner import warm_up_progress
+
+
+def _until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def _quiet(lines, n, for_s=0.05):
+    time.sleep(for_s)  # the thread looks every 2 ms: many chances to say something
+    assert len(lines) == n, lines
+
+
+def test_a_line_every_interval_saying_what_is_waited_for_and_since_when():
+    clock, lines = [0.0], []
+    beat = Heartbeat(lines.append, every=30, extra=lambda: "2 parallel compiles running",
+                     clock=lambda: clock[0], poll=0.002)
+    with beat:
+        beat.now("warming up train_base")
+        clock[0] = 29.0
+        _quiet(lines, 0)  # not before the interval
+        clock[0] = 31.0
+        _until(lambda: len(lines) == 1)
+        assert lines[0] == "  still warming up train_base after 31s; 2 parallel compiles running"
+        _quiet(lines, 1)  # once per interval, not at every look
+        clock[0] = 61.0
+        _until(lambda: len(lines) == 2)
+        assert lines[1].startswith("  still warming up train_base after 61s")
+        beat.now("waiting for train_last's parallel compile")  # a new wait is timed from its start
+        clock[0] = 80.0
+        _quiet(lines, 2)
+        clock[0] = 91.2
+        _until(lambda: len(lines) == 3)
+        assert lines[2].startswith("  still waiting for train_last's parallel compile after 30s")
+        beat.now(None)  # nothing waited for: silent
+        clock[0] = 500.0
+        _quiet(lines, 3)
+    assert beat._thread is None and beat.lines == 3
+    clock[0] = 900.0
+    _quiet(lines, 3)  # closed: the thread is gone
+
+
+def test_it_starts_again_after_a_close_and_a_failing_note_leaves_the_line_plain():
+    clock, lines = [0.0], []
+
+    def broken():
+        raise RuntimeError("no children")
+    beat = Heartbeat(lines.append, every=10, extra=broken, clock=lambda: clock[0], poll=0.002)
+    with beat:
+        beat.now("searching cuDNN's algorithms (runtime.prime_cudnn)")
+    with beat:  # the runner uses one beat for the search, then for the warm-up
+        beat.now("warming up train_base")
+        clock[0] = 12.0
+        _until(lambda: len(lines) == 1)
+    assert lines == ["  still warming up train_base after 12s"]
+
+
+def test_no_thread_with_no_interval():
+    beat = Heartbeat(print, every=0)
+    with beat:
+        assert beat._thread is None
+
+
+def test_the_warm_up_says_it_waits_for_a_parallel_compile_then_that_it_warms_up():
+    events = []
+    beat = SimpleNamespace(now=lambda what: events.append(("now", what)))
+    pre = SimpleNamespace(wait=lambda v: events.append(("wait", v)))
+    warm_up_progress(beat, pre)("train_last")
+    assert events == [("now", "waiting for train_last's parallel compile"), ("wait", "train_last"),
+                      ("now", "warming up train_last")]
+    events.clear()
+    warm_up_progress(beat)("train_base")  # no parallel compiles: the main process compiles it
+    assert events == [("now", "warming up train_base")]
+
+
+def test_the_note_counts_the_parallel_compiles_still_running():
+    def child(started: bool, ok, exit_status=None):
+        proc = SimpleNamespace(poll=lambda: exit_status) if started else None
+        return SimpleNamespace(proc=proc, ok=ok)
+    pre = SimpleNamespace(children=[child(True, None), child(True, None), child(True, True, 0),
+                                    child(False, None), child(True, False, 1),
+                                    child(True, None, 0)])  # ended, not yet reaped by the main thread
+    assert Precompiler.running_note(pre) == "2 parallel compiles running"
+    pre.children = pre.children[1:]
+    assert Precompiler.running_note(pre) == "1 parallel compile running"
+    pre.children = [child(True, True, 0), child(True, None, 0)]
+    assert Precompiler.running_note(pre) is None
