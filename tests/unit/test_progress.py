@@ -95,3 +95,16 @@ def test_the_note_counts_the_parallel_compiles_still_running():
     assert Precompiler.running_note(pre) == "1 parallel compile running"
     pre.children = [child(True, True, 0), child(True, None, 0)]
     assert Precompiler.running_note(pre) is None
+
+
+def test_tr_bench_shows_the_trainers_progress_lines_on_stderr_and_keeps_every_line(capsys):
+    from tr_hydra.cli.bench import trainer_log
+    kept = []
+    say = trainer_log(kept.append)
+    say("compiling 6 variants: train_base here, 5 in 5 parallel processes")
+    say("  still warming up train_base after 30s; 5 parallel compiles running")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["tr-bench: still warming up train_base after 30s; 5 parallel compiles running"]
+    assert len(kept) == 2 and kept[1].startswith("  still")
+    trainer_log()("captured 12 CUDA graphs")  # nothing kept, nothing shown
+    assert capsys.readouterr().err == ""

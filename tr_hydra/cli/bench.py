@@ -109,6 +109,19 @@ def tr_runtime(mode: str, runtime):
     return dataclasses.replace(runtime, compile="inductor" if mode == "tr-inductor" else "none")
 
 
+def trainer_log(keep=None):
+    """A tr_hydra trainer's log inside tr-bench: the warm-up's progress lines (``  still ...``,
+    every 30 s of a long compile) go to stderr beside tr-bench's own progress; every line also
+    goes to ``keep`` if given, and is otherwise dropped (the tables say what matters)."""
+    def say(*parts) -> None:
+        msg = " ".join(str(p) for p in parts)
+        if msg.startswith("  still "):
+            print(f"tr-bench: {msg.strip()}", file=sys.stderr, flush=True)
+        if keep is not None:
+            keep(msg)
+    return say
+
+
 class Mode:
     """One way of running the training step, built and warmed up, ready to be timed."""
 
@@ -130,7 +143,7 @@ class Mode:
         else:
             from tr_hydra.runtime.runner import Trainer
             tpc = dataclasses.replace(pc, runtime=tr_runtime(name, pc.runtime))
-            self.trainer = Trainer(tpc, "/tmp/tr_bench_run", log=lambda *_: None, telemetry=False)
+            self.trainer = Trainer(tpc, "/tmp/tr_bench_run", log=trainer_log(), telemetry=False)
             self.trainer.capture()
             self.step = None
         self.run(max(warmup, 1))
@@ -326,9 +339,8 @@ def mix_tr(pc, device, repeat: int) -> dict:
     """tr_hydra: build and capture every variant, then the whole schedule."""
     from tr_hydra.runtime.runner import Trainer
     t0 = time.perf_counter()
-    trainer_log: list[str] = []  # kept in the JSON: what the run would have printed (the compiles' reports)
-    tr = Trainer(pc, "/tmp/tr_bench_mix", log=lambda *a: trainer_log.append(" ".join(str(x) for x in a)),
-                 telemetry=False)
+    lines: list[str] = []  # kept in the JSON: what the run would have printed (the compiles' reports)
+    tr = Trainer(pc, "/tmp/tr_bench_mix", log=trainer_log(lines.append), telemetry=False)
     built = time.perf_counter() - t0
     t_cap = time.perf_counter()
     tr.capture()
@@ -380,7 +392,7 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # runtime.precompile_start=fork: seconds from the trainer's start until its launcher could
             # fork, or why it could not
             "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error,
-            "trainer_log": trainer_log}
+            "trainer_log": lines}
 
 
 def _ready_parts(tr, built: float, captured: float, ready: float) -> dict:
