@@ -190,10 +190,16 @@ def folder_config(pc, root: str, compile_mode: str):
                                runtime=dataclasses.replace(pc.runtime, compile=compile_mode))
 
 
-def e2e_tr(pc, workdir: str, warm_steps: int = 8) -> dict:
+def e2e_tr(pc, workdir: str, warm_steps: int = 8, profile_steps: int = 0) -> dict:
     """tr_hydra end to end: one epoch of the folder after a warm-up (pipelines built, decoders
-    and graphs ready); the first figure is build + capture + warm-up."""
+    and graphs ready); the first figure is build + capture + warm-up. ``profile_steps``: after
+    the timed window, that many steps of a third epoch under ``torch.profiler`` (``profile``:
+    where the device time goes while the input pipeline shares the GPU, DALI's kernels as a
+    group of their own, and how busy the device is)."""
+    import dataclasses
     from tr_hydra.runtime.runner import Trainer, epoch_schedule
+    if profile_steps:  # the plan runs on into the profiled epoch; the timed window is the same
+        pc = dataclasses.replace(pc, trainer=dataclasses.replace(pc.trainer, epochs=max(3, pc.trainer.epochs)))
     t0 = time.perf_counter()
     tr = Trainer(pc, workdir, log=lambda *_: None, telemetry=False)
     tr.capture()
@@ -216,12 +222,33 @@ def e2e_tr(pc, workdir: str, warm_steps: int = 8) -> dict:
     # the epoch switch), and whether epoch 1's reader was ready in advance
     # the wait for batches includes waiting for the copy out of the previous one, which keeps
     # pace with the device (two steps queued): that part is reported apart
-    return {"img_per_sec": n / seconds, "images": n, "first_step_seconds": first, "seconds": seconds,
-            "epoch_img_per_sec": _epoch_rates(marks, parts),
-            "data_wait_seconds": tr.data_wait - w1,
-            "copy_wait_seconds": getattr(tr.source, "copy_wait", 0.0) - c1,
-            "epoch_switch_wait_seconds": tr.first_batch_wait,
-            "epochs_read_ahead": getattr(tr.source, "ahead_used", 0)}
+    out = {"img_per_sec": n / seconds, "images": n, "first_step_seconds": first, "seconds": seconds,
+           "epoch_img_per_sec": _epoch_rates(marks, parts),
+           "data_wait_seconds": tr.data_wait - w1,
+           "copy_wait_seconds": getattr(tr.source, "copy_wait", 0.0) - c1,
+           "epoch_switch_wait_seconds": tr.first_batch_wait,
+           "epochs_read_ahead": getattr(tr.source, "ahead_used", 0)}
+    if profile_steps:
+        out["profile"] = _profile_e2e(tr, epoch_schedule(pc, 2)[:profile_steps])
+    return out
+
+
+def _profile_e2e(tr, steps: list) -> dict:
+    """``steps`` of epoch 2 under torch.profiler: ``cli.bench.kernel_profile``'s figures per
+    step, and how long the host waited for batches meanwhile."""
+    from torch.profiler import ProfilerActivity, profile
+    from tr_hydra.cli.bench import kernel_profile
+    cuda = tr.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync()
+    w0 = tr.data_wait
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        tr.run_steps(steps, "train", epoch=2)
+        _sync()
+        wall = time.perf_counter() - t
+    return dict(kernel_profile(prof, "tr", len(steps), wall, cuda),
+                data_wait_ms_per_step=1000 * (tr.data_wait - w0) / max(len(steps), 1))
 
 
 def _compiled_step(model_name: str, classes: int, device, amp: bool, options: dict | None = None):

@@ -197,7 +197,8 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
             Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
     out = run("tr-bench", "recipe=cpu_smoke", f"bench.data={tmp_path / 'jpegs'}", "bench.warmup=2",
               "bench.modes=[tr,dl-compile]", "variants.batch_size=8", "variants.base_res=16",
-              "variants.val_res=16", f"bench.out={tmp_path / 'e.json'}", cwd=tmp_path)
+              "variants.val_res=16", "bench.profile=true", "bench.steps=3", f"bench.out={tmp_path / 'e.json'}",
+              cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "e.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile"] and res["train_images"] == 40
@@ -215,6 +216,13 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
             assert total == pytest.approx(r["images"] / r["img_per_sec"], rel=0.05)
     assert "epoch 0 rest / epoch 1" in out.stdout
     assert "waited" in out.stdout
+    # bench.profile: after the timed window (its figures above unchanged), 3 steps of a third
+    # epoch under the profiler; on the CPU, operators by their own time
+    prof = tr["profile"]
+    assert prof["mode"] == "tr" and prof["wall_ms_per_step"] > 0 and prof["device_busy_ms_per_step"] > 0
+    assert prof["groups_ms_per_step"] and prof["top_kernels"] and prof["data_wait_ms_per_step"] >= 0
+    assert "device busy" in out.stdout and "profile" not in res["modes"][1]
+    assert "tr, profiled steps: the host waited" in out.stdout
     bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown ['reduce-overhead'] with bench.data" in bad.stderr
 

@@ -58,3 +58,14 @@ def test_the_table_shows_ratios_to_the_best_pytorch_mode_and_a_dash_without_one(
     only = table([_record("tr-inductor", 7890.9)]).splitlines()
     assert only[1].split()[3] == "-"  # tr_hydra alone: nothing to divide by
     assert "nan" not in "\n".join(only) and "best PyTorch mode" not in "\n".join(only)
+
+
+def test_the_input_pipelines_kernels_are_a_group_of_their_own():
+    from tr_hydra.cli.bench import _group
+    dali = "DALI / nvJPEG (decode, resize, normalise)"
+    assert _group("void dali::kernels::resampling::BatchedSeparableResampleKernel<...>") == dali
+    assert _group("void dali::kernels::color::ColorConversionKernel<float>") == dali  # not a convolution
+    assert _group("nvjpeg::decodeHuffmanGPU_kernel") == dali
+    assert _group("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc") == "convolution (cuDNN)"
+    assert _group("triton_poi_fused__native_batch_norm_legit_functional_relu_5") == "Inductor (Triton)"
+    assert _group("_update_kernel") == "tr_hydra range kernels"

@@ -62,7 +62,7 @@ def end_to_end(pc, b, device) -> dict:
     records = []
     for m in modes:
         if m == "tr":
-            r = e2e_tr(fpc, "/tmp/tr_bench_e2e", warm_steps=b.warmup)
+            r = e2e_tr(fpc, "/tmp/tr_bench_e2e", warm_steps=b.warmup, profile_steps=b.steps if b.profile else 0)
         elif m == "dali-compile":
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
                                  hw_decoder_load=fpc.data.hw_decoder_load,
@@ -84,9 +84,9 @@ def e2e_table(records: list[dict]) -> str:
     tr = next((r for r in records if r["mode"] == "tr"), None)
     lines = [f"{'mode':<14} {'img/s':>10} {'tr_hydra x':>11} {'first step s':>13} {'epoch 0 rest / epoch 1':>24}"]
     for r in records:
-        ratio = tr["img_per_sec"] / r["img_per_sec"] if tr else float("nan")
+        ratio = f"{tr['img_per_sec'] / r['img_per_sec']:.2f}" if tr else "-"  # no tr_hydra run: no ratio
         parts = " / ".join(f"{v:,.0f}" for v in r.get("epoch_img_per_sec", []))
-        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11.2f} {r['first_step_seconds']:>13.1f} "
+        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11} {r['first_step_seconds']:>13.1f} "
                      f"{parts:>24}")
     if tr and "data_wait_seconds" in tr:
         lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
@@ -216,6 +216,9 @@ class Mode:
 
 
 KERNEL_GROUPS = (  # first match wins: where a step's device time goes
+    # end to end: the input pipeline's own kernels, before the convolutions' keys ("conv" is
+    # also in a colour conversion's name)
+    ("DALI / nvJPEG (decode, resize, normalise)", ("dali", "nvjpeg", "jpeg", "npp")),
     ("tr_hydra range kernels", ("_update_kernel", "_lars_kernel", "_cast_kernel", "_ema_kernel", "_nonfinite")),
     ("tr_hydra max pooling backward", ("maxpool_gather_backward",)),
     ("NCCL", ("nccl",)),
@@ -252,6 +255,13 @@ def profile_mode(mode: "Mode", steps: int = 5) -> dict:
         mode.run(steps)
         _sync(mode.device)
         wall = time.perf_counter() - t0
+    return kernel_profile(prof, mode.name, steps, wall, cuda)
+
+
+def kernel_profile(prof, name: str, steps: int, wall: float, cuda: bool) -> dict:
+    """A finished ``torch.profiler.profile`` of ``steps`` steps in ``wall`` seconds, per step:
+    device time by kernel group (``KERNEL_GROUPS``; on the CPU, operators by their own time),
+    the top kernels, the kernel count and how busy the device was."""
     groups: dict[str, list[float]] = {}
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -275,7 +285,7 @@ def profile_mode(mode: "Mode", steps: int = 5) -> dict:
     per = max(steps, 1)
     busy = sum(v[0] for v in groups.values()) / per
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20]
-    return {"mode": mode.name, "wall_ms_per_step": 1000 * wall / per, "device_busy_ms_per_step": busy / 1000,
+    return {"mode": name, "wall_ms_per_step": 1000 * wall / per, "device_busy_ms_per_step": busy / 1000,
             "kernels_per_step": sum(v[1] for v in groups.values()) / per,
             "groups_ms_per_step": {g: v[0] / per / 1000 for g, v in sorted(groups.items(), key=lambda kv: -kv[1][0])},
             "group_kernels_per_step": {g: v[1] / per for g, v in groups.items()},
@@ -693,6 +703,12 @@ def main(argv: list[str] | None = None) -> int:
         if b.data:
             out = end_to_end(pc, b, device)
             print(e2e_table(out["modes"]))
+            profiles = [r["profile"] for r in out["modes"] if "profile" in r]
+            if profiles:
+                print(profile_table(profiles))
+                for p in profiles:
+                    print(f"{p['mode']}, profiled steps: the host waited {p['data_wait_ms_per_step']:.2f} ms "
+                          f"per step for batches")
             for line in settings_lines(pc, device.type):
                 print(line)
             _write(out, b.out)
