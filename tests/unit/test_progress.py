@@ -71,16 +71,23 @@ def test_no_thread_with_no_interval():
         assert beat._thread is None
 
 
-def test_the_warm_up_says_it_waits_for_a_parallel_compile_then_that_it_warms_up():
+def test_the_warm_up_says_it_waits_for_the_parallel_compiles_then_that_it_warms_up():
     events = []
     beat = SimpleNamespace(now=lambda what: events.append(("now", what)))
     pre = SimpleNamespace(wait=lambda v: events.append(("wait", v)))
-    warm_up_progress(beat, pre)("train_last")
-    assert events == [("now", "waiting for train_last's parallel compile"), ("wait", "train_last"),
+
+    def pick(names):  # warm_up_order: blocks until one of them is ready
+        events.append(("pick", tuple(names)))
+        return names[-1]
+    next_variant, before_variant = warm_up_progress(beat, pick, pre)
+    before_variant(next_variant(["val_base", "train_last"]))
+    assert events == [("now", "waiting for the parallel compiles"), ("pick", ("val_base", "train_last")),
+                      ("now", "waiting for train_last's parallel compile"), ("wait", "train_last"),
                       ("now", "warming up train_last")]
     events.clear()
-    warm_up_progress(beat)("train_base")  # no parallel compiles: the main process compiles it
-    assert events == [("now", "warming up train_base")]
+    next_variant, before_variant = warm_up_progress(beat, pick)  # none: the main process compiles all
+    before_variant(next_variant(["train_base"]))
+    assert events == [("pick", ("train_base",)), ("now", "warming up train_base")]
 
 
 def test_the_note_counts_the_parallel_compiles_still_running():

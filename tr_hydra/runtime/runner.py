@@ -117,16 +117,22 @@ def warm_up_order(shared: dict[str, str], pre=None):
     return pick
 
 
-def warm_up_progress(beat, pre=None):
-    """The warm-up's ``before_variant``: says what the wait is (``beat``: a
-    ``progress.Heartbeat``), first the wait for the variant's parallel compile (``pre``),
-    then its own warm-up, in which the main process compiles it or loads the child's work."""
+def warm_up_progress(beat, pick, pre=None):
+    """The warm-up's ``(next_variant, before_variant)`` hooks, telling ``beat`` (a
+    ``progress.Heartbeat``) what the wait is: while ``pick`` (``warm_up_order``) waits for any
+    parallel compile (``pre``) to finish; then for the chosen variant's own; then its warm-up, in
+    which the main process compiles it or loads the child's work."""
+    def next_variant(names: list[str]) -> str:
+        if pre is not None:
+            beat.now("waiting for the parallel compiles")
+        return pick(names)
+
     def before_variant(v: str) -> None:
         if pre is not None:
             beat.now(f"waiting for {v}'s parallel compile")
             pre.wait(v)
         beat.now(f"warming up {v}")
-    return before_variant
+    return next_variant, before_variant
 
 
 # the model forwards this process has compiled with a search ahead (see Trainer._search_ahead)
@@ -392,10 +398,10 @@ class Trainer:
                 if ahead is not None:
                     job, ahead = ahead, None
                     self._settle_search_ahead(job)
+            next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre)
             with self._autotune_flush() as flush, beat:
-                self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps,
-                                    before_variant=warm_up_progress(beat, pre),
-                                    next_variant=warm_up_order(shared, pre), before_capture=settle)
+                self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
+                                    next_variant=next_variant, before_capture=settle)
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
