@@ -115,3 +115,76 @@ def test_tr_bench_shows_the_trainers_progress_lines_on_stderr_and_keeps_every_li
     assert len(kept) == 2 and kept[1].startswith("  still")
     trainer_log()("captured 12 CUDA graphs")  # nothing kept, nothing shown
     assert capsys.readouterr().err == ""
+
+
+def test_the_trainers_capture_reports_its_waits_until_the_graphs_are_captured(tmp_path, monkeypatch):
+    """Trainer.capture's CUDA path on the CPU, with the graphs, the parallel compiles and the
+    search replaced by stand-ins that take time: the progress lines come from the trainer's own
+    wiring, name each wait, and end before the capture."""
+    import threading
+    import torch
+    from tests.helpers import small_config
+    from tr_hydra.runtime import graphs, progress
+    from tr_hydra.runtime.runner import Trainer
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    events = []
+
+    class Graphs:  # CudaGraphs.capture's contract: choose, prepare, warm up each; settle; capture
+        def __init__(self, ex):
+            self.train, self.val, self.capture_seconds = {}, {}, 0.0
+
+        def capture(self, train_v, val_v, warmup_steps, before_variant, next_variant, before_capture):
+            todo = list(train_v) + list(val_v)
+            while todo:
+                v = next_variant(list(todo))
+                todo.remove(v)
+                before_variant(v)
+                time.sleep(0.25)  # the variant's compile or load
+            before_capture()
+            events.append(("capture", [t.name for t in threading.enumerate() if t.name == "tr_hydra-heartbeat"]))
+            self.train = {(v, b): None for v in train_v for b in "AB"}
+            self.val = {(v, b): None for v in val_v for b in "AB"}
+
+    class Children:  # Precompiler's part that the warm-up uses
+        launcher = None
+
+        def __init__(self, names):
+            self.left = list(names)
+
+        def next_ready(self, names):
+            time.sleep(0.25)  # every remaining one still compiling in a child
+            return names[0]
+
+        def wait(self, name):
+            if name in self.left:
+                self.left.remove(name)
+
+        def running_note(self):
+            return f"{len(self.left)} parallel compiles running" if self.left else None
+
+        def summary(self):
+            return {}
+
+        def close(self):
+            pass
+
+    pc = small_config(train_size=64, val_size=32, lowres_epochs=1, epochs=2, lowres_res=12)
+    logs = []
+    tr = Trainer(pc, tmp_path, log=logs.append, telemetry=False, source=False, launcher=False)
+    tr.device = torch.device("cuda")  # only its type is read on this path
+    monkeypatch.setattr(graphs, "CudaGraphs", Graphs)
+    names = [v.name for v in pc.variants]
+    monkeypatch.setattr(tr, "_precompiler", lambda train_v, val_v, also: Children(names[1:]))
+    monkeypatch.setattr(tr, "_search_ahead", lambda: None)
+    monkeypatch.setattr(tr, "prime_cudnn", lambda: (events.append(("search",)), time.sleep(0.25)))
+    tr.cudnn_prime = None
+    tr.capture()
+    still = [i for i, line in enumerate(logs) if line.startswith("  still ")]
+    captured = next(i for i, line in enumerate(logs) if line.startswith("captured "))
+    assert still and max(still) < captured, logs
+    said = "\n".join(logs[i] for i in still)
+    assert "still searching cuDNN's algorithms (runtime.prime_cudnn)" in said
+    assert f"still warming up {names[0]} after" in said  # the main process's own compile
+    assert "still waiting for the parallel compiles after" in said
+    assert "parallel compiles running" in said
+    assert events[-1] == ("capture", [])  # no progress thread left when the graphs are captured
