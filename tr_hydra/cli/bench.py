@@ -393,6 +393,9 @@ def mix_tr(pc, device, repeat: int) -> dict:
     return {"img_per_sec": n / (time.perf_counter() - t1), "first_step_of_all_variants_seconds": ready,
             "step_ms_by_variant": per_variant,
             "warmup_seconds_by_variant": dict(g.warmup_seconds) if g is not None else {},
+            # the main process's compiler over each variant's warm-up: graphs compiled here or
+            # loaded (a child's compile), coordinate-descent benchmarks run here
+            "compile_work_by_variant": dict(g.warmup_work) if g is not None else {},
             # where the time to the first steps went: building the trainer (model, plan, arena),
             # cuDNN's search, the warm-ups (compiles, or waiting for them), capturing the graphs
             # (the search done at the end of the first compile is part of that warm-up)
@@ -608,7 +611,25 @@ def mix_table(mix: dict) -> str:
         line = _precompile_line(r.get("precompile"), r.get("launcher_ready_seconds"), r.get("launcher_error"))
         if line:
             lines.append(f"{m}: {line}")
+        line = _compile_work_line(r.get("compile_work_by_variant"))
+        if line:
+            lines.append(f"{m}: {line}")
     return "\n".join(lines)
+
+
+def _compile_work_line(work: dict | None) -> str:
+    """What the main process's compiler did in each variant's warm-up: graphs compiled there,
+    graphs loaded from the cache (the parallel children's compiles), and coordinate-descent
+    benchmarks (a variant that a child tuned should need none)."""
+    if not work:
+        return ""
+    parts = []
+    for name, w in work.items():
+        part = f"{name} compiled {w.get('compiled', 0)}, loaded {w.get('loaded', 0)}"
+        if w.get("coordesc_benchmarks"):
+            part += f", {w['coordesc_benchmarks']:,} coordinate-descent benchmarks"
+        parts.append(part)
+    return "main process's graphs per variant: " + "; ".join(parts)
 
 
 def _precompile_line(summary: dict | None, launcher_ready: float | None, launcher_error: str | None = None) -> str:

@@ -11,6 +11,25 @@ from tr_hydra.runtime.executor import BUFFERS, StepExecutor
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
+# what this process's compiler did while one variant warmed up, from dynamo's counters: graphs
+# compiled here (Inductor cache misses), graphs loaded from the cache (hits: a parallel child's
+# compile, or an earlier run's), and coordinate-descent benchmarks run here
+# (runtime.inductor_options={coordinate_descent_tuning: true}; none when the tuning was loaded)
+COMPILE_COUNTERS = {"compiled": ("inductor", "fxgraph_cache_miss"),
+                    "loaded": ("inductor", "fxgraph_cache_hit"),
+                    "coordesc_benchmarks": ("inductor", "coordesc_tuning_bench")}
+
+
+def compile_counts() -> dict[str, int]:
+    """The process's running totals of ``COMPILE_COUNTERS``."""
+    from torch._dynamo.utils import counters
+    return {name: int(counters[group][key]) for name, (group, key) in COMPILE_COUNTERS.items()}
+
+
+def compile_work_since(before: dict[str, int]) -> dict[str, int]:
+    """``COMPILE_COUNTERS`` added since ``before`` (a ``compile_counts()``)."""
+    return {name: n - before.get(name, 0) for name, n in compile_counts().items()}
+
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream per device on which every warm-up and capture of this process runs.
@@ -35,6 +54,7 @@ class CudaGraphs:
         self.capture_seconds = 0.0  # warm-up and capture, all variants
         self.graph_seconds = 0.0  # of it, capturing the graphs
         self.warmup_seconds: dict[str, float] = {}  # per variant: waiting for its compile, then warm-up
+        self.warmup_work: dict[str, dict[str, int]] = {}  # per variant: compile_work_since, over its warm-up
         self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
@@ -62,6 +82,7 @@ class CudaGraphs:
                 v = pick(list(todo))
                 todo.remove(v)
                 ready(v)
+                work = compile_counts()
                 if v in train_variants:
                     for _ in range(max(warmup_steps, 1)):
                         ex.train_step(v, "A")
@@ -74,6 +95,7 @@ class CudaGraphs:
                         model.train()
                 side.synchronize()
                 self.warmup_seconds[v] = time.perf_counter() - t
+                self.warmup_work[v] = compile_work_since(work)
         torch.cuda.current_stream().wait_stream(side)
         if before_capture is not None:
             before_capture()

@@ -1,0 +1,49 @@
+"""The main process's compiler work per variant's warm-up (``graphs.compile_work_since``):
+counted around real Inductor compiles on the CPU, a fresh one and one loaded from the cache."""
+from __future__ import annotations
+
+import torch
+
+from tr_hydra.runtime.graphs import compile_counts, compile_work_since
+
+
+def _f(x):
+    return torch.relu(x * 2.0 + 1.0).sum(0)
+
+
+def test_a_compile_counts_as_compiled_and_the_same_graph_again_as_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    from torch._inductor.codecache import PyCodeCache
+    x = torch.randn(16, 8)
+    torch._dynamo.reset()
+    before = compile_counts()
+    with torch.no_grad():  # one graph, no backward
+        y = torch.compile(_f, backend="inductor")(x)
+    first = compile_work_since(before)
+    assert torch.allclose(y, _f(x))
+    assert first == {"compiled": 1, "loaded": 0, "coordesc_benchmarks": 0}, first
+
+    torch._dynamo.reset()  # a new process's view: only the disk cache is left
+    PyCodeCache.cache_clear()
+    before = compile_counts()
+    with torch.no_grad():
+        y = torch.compile(_f, backend="inductor")(x)
+    second = compile_work_since(before)
+    assert torch.allclose(y, _f(x))
+    assert second == {"compiled": 0, "loaded": 1, "coordesc_benchmarks": 0}, second
+    torch._dynamo.reset()
+
+
+def test_tr_bench_prints_each_variants_graphs_and_any_coordinate_descent():
+    from tr_hydra.cli.bench import mix_table
+    r = {"img_per_sec": 9396.0, "first_step_of_all_variants_seconds": 398.6,
+         "step_ms_by_variant": {"train_base": 32.46, "train_last": 15.39},
+         "compile_work_by_variant": {"train_base": {"compiled": 3, "loaded": 0, "coordesc_benchmarks": 2410},
+                                     "train_last": {"compiled": 0, "loaded": 3, "coordesc_benchmarks": 0}}}
+    mix = {"variants": {"train_base": {"batch": 256, "res": 224, "train": True},
+                        "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
+    line = [ln for ln in mix_table(mix).splitlines() if "graphs per variant" in ln]
+    assert line == ["tr: main process's graphs per variant: train_base compiled 3, loaded 0, "
+                    "2,410 coordinate-descent benchmarks; train_last compiled 0, loaded 3"], line
+    r.pop("compile_work_by_variant")  # CPU runs capture no graphs: no line
+    assert "graphs per variant" not in mix_table(mix)
