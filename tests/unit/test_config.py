@@ -171,12 +171,15 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
     assert all(name in ic.get_config_copy() for name, _ in opts)
     assert hash(pc.runtime) == hash(pc.runtime)  # the spec stays hashable
     assert plan_config_from(compose([])).runtime.inductor_options == ()
+    assert plan_config_from(compose(["runtime.inductor_options={triton:{multi_kernel:0}}"])
+                            ).runtime.inductor_options == (("triton.multi_kernel", 0),)
     for override, needle in [
         ("runtime.inductor_options={coordinate_descent_tunning:true}", "not an Inductor option"),
         ("runtime.inductor_options={persistent_reductions:false}", "did you mean triton.persistent_reductions"),
         ("runtime.inductor_options={coordinate_descent_tuning:3}", "expects bool, got 3"),
         ("runtime.inductor_options={max_autotune_gemm_backends:true}", "expects str"),
         ("runtime.inductor_options={triton:{cudagraphs:true}}", "captures the whole step"),
+        ("runtime.inductor_options={triton:{multi_kernel:1}}", "1 not supported: .*loading compiled kernels"),
     ]:
         with pytest.raises(ConfigError, match=f"runtime.inductor_options.*{needle}") as e:
             plan_config_from(compose([override]))

@@ -240,6 +240,13 @@ _OWNED_OPTIONS = {"triton.cudagraphs": "tr_hydra captures the whole step as a CU
                   "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
                   "post_grad_custom_post_pass": "tr_hydra sets it itself (runtime.backward_streams), and a pass is not a config value"}
 
+# values that PyTorch accepts but that break a run here: (refused when, why)
+_BROKEN_VALUES = {"triton.multi_kernel": (
+    lambda v: v != 0,
+    "with it, loading compiled kernels from Inductor's cache fails (a TypeError inside Triton's "
+    "JITFunction.cache_key, PyTorch 2.11 on the H200), and the parallel compiles and every later run "
+    "load from that cache; leave it at 0")}
+
 
 def _flat_options(opts: Any, prefix: str = "") -> dict:
     out = {}
@@ -287,6 +294,8 @@ def inductor_options(opts: Any) -> tuple:
             kind = type(default).__name__ if default is not None and isinstance(default, (bool, int, float, str)) \
                 else "a value this config can express"
             raise ConfigError(f"{key}: expects {kind}, got {value!r}")
+        if name in _BROKEN_VALUES and _BROKEN_VALUES[name][0](value):
+            raise ConfigError(f"{key}: {value!r} not supported: {_BROKEN_VALUES[name][1]}")
         out.append((name, value))
     return tuple(out)
 
