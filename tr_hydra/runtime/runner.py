@@ -259,6 +259,10 @@ class Trainer:
                 else torch.compile(model, dynamic=False)
             if user_options:
                 self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
+            from tr_hydra.runtime import inductor_compat
+            if inductor_compat.apply() and options.get("coordinate_descent_tuning"):
+                self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
+                         "(PyTorch issue 172819): the fixed check of later releases is used")
             if pc.runtime.recompute != "none":
                 from tr_hydra.runtime.recompute import with_recompute
                 forward = with_recompute(forward, pc.runtime.recompute)

@@ -1,0 +1,146 @@
+"""The fix of Inductor's autotune-cache check on load (PyTorch issue 172819), checked against
+PyTorch's own fixed method where the installed release has it (2.14), and its installation
+against the faulty form of 2.11."""
+import inspect
+
+import pytest
+
+th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+triton = pytest.importorskip("triton")
+
+from tr_hydra.runtime import inductor_compat as ic  # noqa: E402
+
+INSTALLED = th.CachingAutotuner.recheck_autotune_cache
+
+
+# PyTorch 2.11's method (torch 2.11.0+cu130, printed on the GPU machine), the faulty form
+def recheck_2_11(self, reload_kernel_from_src):
+    assert self.is_statically_launchable()
+    configs = [result.config for result in self.compile_results]
+    (cached_configs, _, autotune_cache_info) = th.check_autotune_cache(
+        configs, self.filename, self.inductor_meta
+    )
+    self.autotune_cache_info = autotune_cache_info
+    if len(cached_configs) == 1 and len(configs) > 1:
+        best_config = cached_configs[0]
+        best_config_hash = th.triton_config_to_hashable(best_config)
+        for compile_result in self.compile_results:
+            if th.triton_config_to_hashable(compile_result.config) == best_config_hash:
+                self.compile_results = [compile_result]
+                return
+        if best_config.found_by_coordesc:
+            if self.fn.fn is None:
+                self.fn = reload_kernel_from_src().fn
+            self.compile_results = [self._precompile_config(best_config)]
+
+
+def installed_is_fixed() -> bool:
+    return not ic.recheck_is_faulty(inspect.getsource(INSTALLED))
+
+
+def cfg(xblock, warps=4, coordesc=None):
+    c = triton.Config({"XBLOCK": xblock}, num_warps=warps, num_stages=1)
+    if coordesc is not None:
+        c.found_by_coordesc = coordesc
+    return c
+
+
+class Result:
+    def __init__(self, config):
+        self.config = config
+
+
+class Kernel:
+    """What the method reads and writes of a CachingAutotuner loaded from the cache."""
+    def __init__(self, configs):
+        self.compile_results = [Result(c) for c in configs]
+        self.filename = "/cache/kernel.py"
+        self.inductor_meta = {"coordinate_descent_tuning": True}
+        self._could_rblock_scale = False
+        self.fn = type("Fn", (), {"fn": object()})()
+        self.compiled = []
+
+    def is_statically_launchable(self):
+        return True
+
+    def _precompile_config(self, config):
+        self.compiled.append(config)
+        return Result(config)
+
+
+def outcome(method, case, monkeypatch):
+    """Run ``method`` on the kernel of ``case``: its configs, and what its cache holds (None: a miss)."""
+    configs, cached = CASES[case]()  # made afresh: triton's Config drops found_by_coordesc when copied
+    k = Kernel(configs)
+
+    def check(cfgs, filename, meta, **kw):
+        return ([cached] if cached is not None else cfgs), None, \
+            {"autotune_cache_state": "hit" if cached is not None else "miss"}
+    monkeypatch.setattr(th, "check_autotune_cache", check)
+    method(k, lambda: pytest.fail("the kernel's function is already there"))
+    return ([(th.triton_config_to_hashable(r.config), getattr(r.config, "found_by_coordesc", False))
+             for r in k.compile_results], [th.triton_config_to_hashable(c) for c in k.compiled],
+            k.autotune_cache_info)
+
+
+CASES = {
+    "one config, tuned to itself": lambda: ([cfg(64)], cfg(64, coordesc=True)),
+    "one config, tuned to another": lambda: ([cfg(64)], cfg(128, warps=8, coordesc=True)),
+    "three configs, the cached one among them": lambda: ([cfg(32), cfg(64), cfg(128)], cfg(64, coordesc=True)),
+    "three configs, picked by the benchmark": lambda: ([cfg(32), cfg(64), cfg(128)], cfg(128, coordesc=False)),
+    "one config, a miss": lambda: ([cfg(64)], None),
+    "three configs, a miss": lambda: ([cfg(32), cfg(64), cfg(128)], None),
+}
+
+
+@pytest.mark.skipif(not installed_is_fixed(), reason="the installed PyTorch has the faulty form")
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fixed_form_does_what_pytorchs_own_fixed_method_does(case, monkeypatch):
+    assert outcome(ic.fixed_recheck_autotune_cache, case, monkeypatch) == outcome(INSTALLED, case, monkeypatch)
+
+
+def test_a_tuned_config_loaded_from_the_cache_is_marked_where_211s_form_left_it_unmarked(monkeypatch):
+    # the kernel's single config, cached as found by coordinate descent: 2.11 leaves it unmarked,
+    # so its first run tunes it again; the fixed form marks it
+    case = "one config, tuned to itself"
+    old, _, _ = outcome(recheck_2_11, case, monkeypatch)
+    new, compiled, _ = outcome(ic.fixed_recheck_autotune_cache, case, monkeypatch)
+    assert old == [(th.triton_config_to_hashable(cfg(64)), False)]
+    assert new == [(th.triton_config_to_hashable(cfg(64)), True)] and compiled == []
+    # several configs, the cached one among them: 2.11 narrows to it but leaves it unmarked
+    case = "three configs, the cached one among them"
+    old, _, _ = outcome(recheck_2_11, case, monkeypatch)
+    new, _, _ = outcome(ic.fixed_recheck_autotune_cache, case, monkeypatch)
+    assert old == [(th.triton_config_to_hashable(cfg(64)), False)]
+    assert new == [(th.triton_config_to_hashable(cfg(64)), True)]
+    # tuned to a config that was not compiled ahead: compiled now, marked
+    case = "one config, tuned to another"
+    new, compiled, _ = outcome(ic.fixed_recheck_autotune_cache, case, monkeypatch)
+    assert compiled == [th.triton_config_to_hashable(cfg(128, warps=8))]
+    assert new == [(th.triton_config_to_hashable(cfg(128, warps=8)), True)]
+
+
+def test_a_miss_leaves_the_kernel_as_it_was(monkeypatch):
+    for case in ("one config, a miss", "three configs, a miss"):
+        configs, _ = CASES[case]()
+        got, compiled, info = outcome(ic.fixed_recheck_autotune_cache, case, monkeypatch)
+        assert got == [(th.triton_config_to_hashable(c), False) for c in configs]
+        assert compiled == [] and info == {"autotune_cache_state": "miss"}
+
+
+def test_the_faulty_guard_is_recognised():
+    assert ic.recheck_is_faulty(inspect.getsource(recheck_2_11))
+    assert not ic.recheck_is_faulty(inspect.getsource(ic.fixed_recheck_autotune_cache))
+
+
+def test_applied_only_where_the_installed_form_is_faulty(monkeypatch):
+    monkeypatch.setattr(ic, "_APPLIED", [])
+    monkeypatch.setattr(th.CachingAutotuner, "recheck_autotune_cache", INSTALLED)
+    if installed_is_fixed():  # e.g. 2.14: PyTorch's own stays
+        assert ic.apply() is False and not ic.applied()
+        assert th.CachingAutotuner.recheck_autotune_cache is INSTALLED
+    # a release with 2.11's form gets the fixed one, once
+    monkeypatch.setattr(th.CachingAutotuner, "recheck_autotune_cache", recheck_2_11)
+    assert ic.apply() is True and ic.applied()
+    assert th.CachingAutotuner.recheck_autotune_cache is ic.fixed_recheck_autotune_cache
+    assert ic.apply() is True and ic._APPLIED == [recheck_2_11]

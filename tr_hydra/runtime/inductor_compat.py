@@ -1,0 +1,96 @@
+"""A fix that later PyTorch releases carry, applied where the installed Inductor lacks it.
+
+Coordinate descent (``runtime.inductor_options={coordinate_descent_tuning: true}``) tunes each
+Triton kernel on its first run and writes the best config beside the kernel in Inductor's cache,
+marked ``found_by_coordesc``. A process that later loads the compiled graph from the cache (the
+training process loading what a parallel compile made, or any later run) checks that cache in
+``CachingAutotuner.recheck_autotune_cache``. In PyTorch 2.11 that method has two faults
+(PyTorch issue 172819, fixed by pull request 173391):
+
+- it skips the cached config when the kernel has a single config, the usual case for
+  pointwise kernels;
+- where the cached config is one of the kernel's compiled configs, it does not carry
+  ``found_by_coordesc`` over to it.
+
+Either way the loaded kernel's config is not marked, so its first run tunes it again: a
+benchmark of every neighbouring config, each compiled first. On the H200 the training process's
+load of each of three ResNet-50 variants the parallel compiles had tuned took 47–55 s instead of
+2–3 s, with 3,619 benchmarks in all.
+
+:func:`apply` replaces the method with the fixed form only when the installed one has the
+faulty guard. Releases with the fix, such as 2.14, keep their own.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+
+# the faulty guard of PyTorch 2.11's CachingAutotuner.recheck_autotune_cache
+_FAULTY_GUARD = re.compile(r"len\(cached_configs\)\s*==\s*1\s+and\s+len\(configs\)\s*>\s*1")
+
+_APPLIED: list = []  # the original method, once replaced
+
+
+def recheck_is_faulty(source: str) -> bool:
+    """Whether ``source``, the text of a ``recheck_autotune_cache``, has 2.11's faulty guard."""
+    return bool(_FAULTY_GUARD.search(source))
+
+
+def fixed_recheck_autotune_cache(self, reload_kernel_from_src) -> None:
+    """``CachingAutotuner.recheck_autotune_cache`` in its fixed form: a cache hit narrows the
+    kernel to the cached config whatever the number of configs, and carries ``found_by_coordesc``
+    to it, so its first run does not tune it again. A best config that is not among the compiled
+    ones and was found by coordinate descent is compiled, as before."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    if not self.is_statically_launchable():
+        raise AssertionError("Expected statically launchable kernel")
+    configs = [result.config for result in self.compile_results]
+    kwargs = {}
+    if "dynamic_scale_rblock_eligible" in inspect.signature(th.check_autotune_cache).parameters:
+        kwargs["dynamic_scale_rblock_eligible"] = getattr(self, "_could_rblock_scale", False)
+    cached_configs, _, autotune_cache_info = th.check_autotune_cache(
+        configs, self.filename, self.inductor_meta, **kwargs)
+    self.autotune_cache_info = autotune_cache_info
+    if len(cached_configs) != 1:
+        return
+    best_config = cached_configs[0]
+    found_by_coordesc = getattr(best_config, "found_by_coordesc", False)
+    best_hash = th.triton_config_to_hashable(best_config)
+    for compile_result in self.compile_results:
+        if th.triton_config_to_hashable(compile_result.config) == best_hash:
+            compile_result.config.found_by_coordesc = found_by_coordesc
+            self.compile_results = [compile_result]
+            return
+    if found_by_coordesc:  # tuned to a config that was not compiled ahead: compile it now
+        with th.dynamo_timed("CachingAutotuner.slow_precompile_config"):
+            if self.fn.fn is None:
+                self.fn = reload_kernel_from_src().fn
+            self.compile_results = [self._precompile_config(best_config)]
+
+
+def apply() -> bool:
+    """Install :func:`fixed_recheck_autotune_cache` if the installed Inductor has the faulty
+    guard. Returns whether the fix is in place (installed now or before)."""
+    if _APPLIED:
+        return True
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:  # no Triton: no Triton kernels to tune
+        return False
+    original = getattr(CachingAutotuner, "recheck_autotune_cache", None)
+    if original is None:
+        return False
+    try:
+        source = inspect.getsource(original)
+    except (OSError, TypeError):  # no source to check: leave PyTorch's own
+        return False
+    if not recheck_is_faulty(source):
+        return False
+    _APPLIED.append(original)
+    CachingAutotuner.recheck_autotune_cache = fixed_recheck_autotune_cache
+    return True
+
+
+def applied() -> bool:
+    return bool(_APPLIED)
