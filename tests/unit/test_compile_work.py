@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tr_hydra.runtime.graphs import compile_counts, compile_work_since
+from tr_hydra.runtime.graphs import compile_counts, compile_work_since, phase_seconds, phase_seconds_since
 
 
 def _f(x):
@@ -16,21 +16,28 @@ def test_a_compile_counts_as_compiled_and_the_same_graph_again_as_loaded(tmp_pat
     from torch._inductor.codecache import PyCodeCache
     x = torch.randn(16, 8)
     torch._dynamo.reset()
-    before = compile_counts()
+    before, phases = compile_counts(), phase_seconds()
+    assert phase_seconds_since(phases) == {}
     with torch.no_grad():  # one graph, no backward
         y = torch.compile(_f, backend="inductor")(x)
-    first = compile_work_since(before)
+    first, first_phases = compile_work_since(before), phase_seconds_since(phases, least=0.0, most=100)
     assert torch.allclose(y, _f(x))
     assert first == {"compiled": 1, "loaded": 0, "coordesc_benchmarks": 0}, first
 
     torch._dynamo.reset()  # a new process's view: only the disk cache is left
     PyCodeCache.cache_clear()
-    before = compile_counts()
+    before, phases = compile_counts(), phase_seconds()
     with torch.no_grad():
         y = torch.compile(_f, backend="inductor")(x)
-    second = compile_work_since(before)
+    second, second_phases = compile_work_since(before), phase_seconds_since(phases, least=0.0, most=100)
     assert torch.allclose(y, _f(x))
     assert second == {"compiled": 0, "loaded": 1, "coordesc_benchmarks": 0}, second
+    # where the time went: both traced; Inductor's part is a compile (C++ on the CPU) the first
+    # time, a load from the cache the second
+    assert first_phases["bytecode_tracing"] > 0 and first_phases["compile_fx_inner"] > 0, first_phases
+    assert second_phases["bytecode_tracing"] > 0, second_phases
+    assert second_phases.get("compile_fx_inner", 0.0) < first_phases["compile_fx_inner"] / 2, (first_phases, second_phases)
+    assert list(first_phases.values()) == sorted(first_phases.values(), reverse=True)
     torch._dynamo.reset()
 
 

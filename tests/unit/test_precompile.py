@@ -138,7 +138,20 @@ def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():
     assert s["seconds"] <= finished + 0.1, (s, finished)
     assert s["trainer_s"] > 0 and s["step_s"] > 0
     assert s["import_s"] + s["trainer_s"] + s["step_s"] <= s["seconds"] + 0.1
-    assert "done_at" not in s and isinstance(s["phases_s"], dict)
+    assert "done_at" not in s and isinstance(s["phases_s"], dict) and isinstance(s["timers_s"], dict)
+
+
+def test_timers_name_every_phase_over_the_floor_longest_first(monkeypatch):
+    """A child reports every Dynamo/Inductor timer of 0.1 s or more (summed over its compiles),
+    longest first, the named phases among them."""
+    from torch._dynamo import utils
+    fake = {"bytecode_tracing": [0.5, 0.75], "GraphLowering.run": [3.0], "Scheduler.codegen": [0.05, 0.04],
+            "compile_fx_inner": [2.0, 2.5], "empty": []}
+    monkeypatch.setattr(utils, "compilation_time_metrics", fake)
+    t = pcm._timers()
+    assert list(t.items()) == [("compile_fx_inner", 4.5), ("GraphLowering.run", 3.0), ("bytecode_tracing", 1.25)]
+    assert pcm.phase_seconds() == {"trace": 1.25, "inductor": 4.5}
+    assert list(pcm._timers(least=0.0, most=2)) == ["compile_fx_inner", "GraphLowering.run"]
 
 
 def test_next_ready_picks_a_variant_whose_compile_is_done(tmp_path):

@@ -396,6 +396,8 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # the main process's compiler over each variant's warm-up: graphs compiled here or
             # loaded (a child's compile), coordinate-descent benchmarks run here
             "compile_work_by_variant": dict(g.warmup_work) if g is not None else {},
+            # and where each warm-up's compiler time went (Dynamo's and Inductor's timers, seconds)
+            "compile_phases_by_variant": dict(g.warmup_phases) if g is not None else {},
             # where the time to the first steps went: building the trainer (model, plan, arena),
             # cuDNN's search, the warm-ups (compiles, or waiting for them), capturing the graphs
             # (the search done at the end of the first compile is part of that warm-up)

@@ -31,6 +31,22 @@ def compile_work_since(before: dict[str, int]) -> dict[str, int]:
     return {name: n - before.get(name, 0) for name, n in compile_counts().items()}
 
 
+def phase_seconds() -> dict[str, float]:
+    """The process's running totals of every one of Dynamo's and Inductor's phase timers
+    (``torch._dynamo.utils.compilation_time_metrics``; nested timers overlap)."""
+    from tr_hydra.runtime.precompile import _timers
+    return _timers(least=0.0, most=1 << 30)
+
+
+def phase_seconds_since(before: dict[str, float], least: float = 0.05, most: int = 15) -> dict[str, float]:
+    """The timers that added ``least`` seconds or more since ``before`` (a ``phase_seconds()``),
+    the ``most`` longest first: where a variant's warm-up spent its compiler time (a compile:
+    ``compile_fx_inner``; a load from the cache: tracing, ``PyCodeCache.load_by_key_path``...)."""
+    d = sorted(((round(t - before.get(k, 0.0), 2), k) for k, t in phase_seconds().items()
+                if t - before.get(k, 0.0) >= least), reverse=True)
+    return {k: t for t, k in d[:most]}
+
+
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream per device on which every warm-up and capture of this process runs.
     cuBLAS keeps a workspace per stream (65 MiB on the H200) for the life of the process, so
@@ -55,6 +71,7 @@ class CudaGraphs:
         self.graph_seconds = 0.0  # of it, capturing the graphs
         self.warmup_seconds: dict[str, float] = {}  # per variant: waiting for its compile, then warm-up
         self.warmup_work: dict[str, dict[str, int]] = {}  # per variant: compile_work_since, over its warm-up
+        self.warmup_phases: dict[str, dict[str, float]] = {}  # per variant: phase_seconds_since (compiler timers), over its warm-up
         self.peak_after_warmup = 0  # the process's peak allocated bytes once warm-up is done
 
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
@@ -82,7 +99,7 @@ class CudaGraphs:
                 v = pick(list(todo))
                 todo.remove(v)
                 ready(v)
-                work = compile_counts()
+                work, phases = compile_counts(), phase_seconds()
                 if v in train_variants:
                     for _ in range(max(warmup_steps, 1)):
                         ex.train_step(v, "A")
@@ -96,6 +113,7 @@ class CudaGraphs:
                 side.synchronize()
                 self.warmup_seconds[v] = time.perf_counter() - t
                 self.warmup_work[v] = compile_work_since(work)
+                self.warmup_phases[v] = phase_seconds_since(phases)
         torch.cuda.current_stream().wait_stream(side)
         if before_capture is not None:
             before_capture()

@@ -647,12 +647,24 @@ PHASES = (("trace", "bytecode_tracing"), ("aot", "create_aot_dispatcher_function
           ("autotune", "CachingAutotuner.benchmark_all_configs"))
 
 
-def _phases() -> dict:
+def phase_seconds() -> dict:
     try:
         from torch._dynamo.utils import compilation_time_metrics as m
     except ImportError:
         return {}
     return {short: round(sum(m[key]), 2) for short, key in PHASES if m.get(key)}
+
+
+def _timers(least: float = 0.1, most: int = 30) -> dict:
+    """Every one of Dynamo's and Inductor's phase timers that took ``least`` seconds or more in
+    this process (summed over its compiles; nested timers overlap), longest first: what
+    ``PHASES`` does not name, for finding where a compile's time goes."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as m
+    except ImportError:
+        return {}
+    tot = sorted(((round(sum(v), 2), k) for k, v in m.items() if v and sum(v) >= least), reverse=True)
+    return {k: t for t, k in tot[:most]}
 
 
 def _counters() -> dict:
@@ -762,7 +774,7 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
                   **({"error": job.error} if job.error else {})}
     out = dict(_counters(), variants=names.split(","), start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
-               step_s=round(t_end - t_trainer, 2), phases_s=_phases(), cudnn_share=shared, done_at=time.time())
+               step_s=round(t_end - t_trainer, 2), phases_s=phase_seconds(), timers_s=_timers(), cudnn_share=shared, done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 
