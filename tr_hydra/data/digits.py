@@ -14,7 +14,8 @@ SIZE = 32
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("TR_HYDRA_CACHE", Path.home() / ".cache" / "tr_hydra"))
+    from tr_hydra.bytecode import cache_root
+    return cache_root()
 
 
 def ensure_digits(cache_dir: str | Path | None = None) -> Path:

@@ -155,6 +155,10 @@ class Trainer:
         self.is_main = self.dist.is_main  # only rank 0 logs and writes files
         self.log = log if self.is_main else (lambda *_: None)
         self.telemetry = telemetry and self.is_main
+        from tr_hydra import bytecode
+        note = bytecode.note_once()
+        if note:
+            self.log(note)
         # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture)
         self._launcher = self._start_launcher() if launcher else None
         self.launcher_ready_s: float | None = None  # seconds from its start until it could fork
