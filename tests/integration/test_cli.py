@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,11 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     res = json.loads((tmp_path / "b.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
     assert res["runtime"]["stem"] == "auto" and res["runtime"]["device"] == "auto"  # the run's settings
+    host = res["host"]  # what it ran on: the host's Python speed moves compile times most
+    assert host["cores"] == os.cpu_count() and host["python"] == platform.python_version()
+    assert host["python_loop_ms"] > 0 and host["torch"] == torch.__version__ and "gpu" not in host
+    assert host["bytecode"] == "beside the sources" or host["bytecode"].startswith(("in ", "kept", "not"))
+    assert f"host: {host['cpu']}, {host['cores']} cores; Python {host['python']}" in out.stdout
     for m in res["modes"]:
         assert len(m["img_per_sec_all"]) == 2 and m["img_per_sec_median"] > 0
     assert res["modes"][1]["img_per_sec_single_buffer_median"] > 0  # tr_hydra timed both ways

@@ -734,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"per step for batches")
             for line in settings_lines(pc, device.type):
                 print(line)
+            out["host"] = host_info(device)
+            print(host_line(out["host"]))
             _write(out, b.out)
             return 0
         modes = _modes(b.modes, device)
@@ -789,8 +791,55 @@ def main(argv: list[str] | None = None) -> int:
         print(mix_table(out["epoch_mix"]))
     for line in settings_lines(pc, device.type):
         print(line)
+    if not os.environ.get(COLD_PARENT_VAR):  # after the timings; a cold mode's own process has its bench's
+        out["host"] = host_info(device)
+        print(host_line(out["host"]))
     _write(out, b.out)
     return 0
+
+
+def python_loop_ms(n: int = 2_000_000, repeats: int = 3) -> float:
+    """A pure-Python loop's best time in ms: how fast this host runs the Python that Dynamo,
+    AOTAutograd and Inductor are made of. Cold compile times follow it more than anything else
+    measured (a 1.7x slower loop, 1.3x later first steps in session ab)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sum(i * i for i in range(n))
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def host_info(device) -> dict:
+    """What the figures were measured on, beyond the device: the host's processor and cores,
+    Python and its speed, PyTorch, and where this process keeps Python's bytecode."""
+    import platform
+    from tr_hydra import bytecode
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    if bytecode.kept():
+        where = f"kept by tr_hydra in {bytecode.kept()}"
+    elif sys.pycache_prefix:
+        where = f"in {sys.pycache_prefix}"
+    elif sys.dont_write_bytecode:
+        where = "not written"
+    else:
+        where = "beside the sources"
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "python_loop_ms": round(python_loop_ms(), 1), "torch": torch.__version__, "bytecode": where}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def host_line(info: dict) -> str:
+    return (f"host: {info['cpu']}, {info['cores']} cores; Python {info['python']} "
+            f"(a loop of 2M squares: {info['python_loop_ms']:.0f} ms), bytecode {info['bytecode']}; "
+            f"torch {info['torch']}" + (f"; {info['gpu']}" if info.get("gpu") else ""))
 
 
 def settings_lines(pc, device_type: str) -> list[str]:
