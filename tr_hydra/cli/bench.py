@@ -800,8 +800,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def python_loop_ms(n: int = 2_000_000, repeats: int = 3) -> float:
     """A pure-Python loop's best time in ms: how fast this host runs the Python that Dynamo,
-    AOTAutograd and Inductor are made of. Cold compile times follow it more than anything else
-    measured (a 1.7x slower loop, 1.3x later first steps in session ab)."""
+    AOTAutograd and Inductor are made of, the host work of a cold compile (in session ab, a host
+    1.7x slower on it reached the epoch mix's first steps 1.1-1.2x later)."""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
