@@ -107,6 +107,7 @@ def test_python_writes_it_there_reads_it_back_and_passes_it_on(tmp_path):
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(mods), os.getcwd()]), TR_HYDRA_BYTECODE_CACHE=str(bc))
     env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop(bytecode.KEPT_ENV, None)
     out = subprocess.run([sys.executable, "-B", "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     value, prefix, child_prefix, child_quiet, child_kept = out.stdout.split()
@@ -132,6 +133,7 @@ def test_the_tools_keep_it_before_importing_torch(tmp_path):
     bc = tmp_path / "bc"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", TR_HYDRA_BYTECODE_CACHE=str(bc))
     env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop(bytecode.KEPT_ENV, None)
     out = subprocess.run([sys.executable, "-m", "tr_hydra.cli.plan", "recipe=cifar_resnet18", "data=synthetic"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
