@@ -116,7 +116,8 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
                       val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_start=start))
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_start=start,
+                                                              precompile_backward=True))
     from tr_hydra.runtime import progress
     monkeypatch.setattr(progress, "EVERY_S", 1.0)  # the warm-up's progress lines, every second here
     logs = []
@@ -126,8 +127,18 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     res = tr.fit()  # captures: the warm-up compiles, or loads, every variant
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits0
     s = tr.precompile_summary
-    assert s is not None and sorted(s) == ["train_last", "train_lowres", "train_lowres_last", "val_base",
-                                           "val_last"], logs
+    assert s is not None
+    # runtime.precompile_backward: each training variant's backward in a twin process,
+    # the main process's own first one's too; the twins ran no forward (the main process may
+    # have compiled its own variant whole before its twin got there: the twin then found it in
+    # the cache), and each training child loaded its backward from its twin's compile
+    twins = {n[:-len(" backward")]: s.pop(n) for n in list(s) if n.endswith(" backward")}
+    assert sorted(twins) == ["train_base", "train_last", "train_lowres", "train_lowres_last"], (twins, logs)
+    assert all(t["ok"] and t["forward_skipped"] is True and t["start"] == start for t in twins.values()), twins
+    assert all(s[n]["fxgraph_cache_hit"] >= 1 and "twin_wait_s" in s[n]
+               for n in ("train_last", "train_lowres", "train_lowres_last")), s
+    assert tr.twin_wait_s is not None, logs  # the main process's first variant waited (if at all) too
+    assert sorted(s) == ["train_last", "train_lowres", "train_lowres_last", "val_base", "val_last"], logs
     assert all(r["ok"] for r in s.values()), (s, logs)
     assert all(r["start"] == start for r in s.values()), s
     if start == "fork":
@@ -327,6 +338,7 @@ def test_dynamic_batch_shares_one_graph_per_split_and_resolution(tmp_path, monke
     res = tr.fit()
     assert any("6 variants share 3 compiled graphs" in str(ln) for ln in logs), logs
     s = tr.precompile_summary
+    s = {n: r for n, r in s.items() if not n.endswith(" backward")}  # runtime.precompile_backward's twins
     assert sorted(s) == ["train_lowres", "val_base"] and all(r["ok"] for r in s.values()), s
     assert s["train_lowres"]["variants"] == ["train_lowres", "train_lowres_last"], s
     assert len(tr.graphs.train) == 2 * 4 and len(tr.graphs.val) == 2 * 2

@@ -103,8 +103,8 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None):
-            seen.update(order=order, n=n, launcher=launcher)
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=()):
+            seen.update(order=order, n=n, launcher=launcher, twins=twins)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
@@ -112,11 +112,14 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     for first, want in ((False, [("train_last", True), ("val_base", False)]),
                         (True, [("train_base", True), ("train_last", True), ("val_base", False)])):
         pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=8, precompile_first=first))
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=8, precompile_first=first,
+                                                                precompile_backward=True))
         tr = Trainer(pc, tmp_path / str(first), log=lambda *_: None, telemetry=False, source=False)
         tr.inductor = True  # as on CUDA with runtime.compile=auto
         assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), Fake)
         assert seen["order"] == want and seen["n"] == len(want)
+        # every training variant's backward gets a twin, the main process's own first one too
+        assert seen["twins"] == ("train_base", "train_last")
 
 
 def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():

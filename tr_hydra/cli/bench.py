@@ -407,6 +407,8 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # runtime.precompile_start=fork: seconds from the trainer's start until its launcher could
             # fork, or why it could not
             "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error,
+            # runtime.precompile_backward: how long the first variant's backward waited for its twin
+            "twin_wait_seconds": tr.twin_wait_s,
             "trainer_log": lines}
 
 
@@ -613,6 +615,9 @@ def mix_table(mix: dict) -> str:
         line = _precompile_line(r.get("precompile"), r.get("launcher_ready_seconds"), r.get("launcher_error"))
         if line:
             lines.append(f"{m}: {line}")
+        if r.get("twin_wait_seconds") is not None:
+            lines.append(f"{m}: the main process's first variant waited {r['twin_wait_seconds']:.1f}s for its "
+                         f"backward's twin (runtime.precompile_backward)")
         line = _compile_work_line(r.get("compile_work_by_variant"))
         if line:
             lines.append(f"{m}: {line}")
@@ -646,6 +651,8 @@ def _precompile_line(summary: dict | None, launcher_ready: float | None, launche
             parts.append(f"{name} here")
             continue
         split = [f"{k} {c[k + '_s']:.1f}s" for k in ("start", "import", "trainer", "step") if c.get(k + "_s") is not None]
+        if c.get("twin_wait_s"):  # its backward waited for its twin (runtime.precompile_backward)
+            split.append(f"waited {c['twin_wait_s']:.1f}s for its twin")
         share = c.get("cudnn_share")
         if share:  # its share of the main process's cuDNN search, run beside its compile
             split.append(f"cuDNN share {share['calls']}/{share['of']} in {share['seconds']:.1f}s"

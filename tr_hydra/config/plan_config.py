@@ -95,6 +95,7 @@ class RuntimeSpec:
     kernels: str = "auto"
     precompile: str | int = "auto"
     precompile_first: bool = False
+    precompile_backward: bool = False
     precompile_start: str = "auto"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this

@@ -19,6 +19,7 @@ default, is ``fork`` where it is available and ``spawn`` elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -33,6 +34,8 @@ CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspac
 PARENT_VAR = "TR_HYDRA_PRECOMPILE_PARENT"  # the pid of the process that started a child
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHARE_FLAG = "--cudnn-share="  # a child's argument: its share k/n of the main process's cuDNN search
+BACKWARD_FLAG = "--backward-only="  # a child's argument: it is the backward twin holding this lock
+TWIN_FLAG = "--twin="  # a child's argument: its backward waits for the twin holding this lock
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -59,6 +62,22 @@ def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: i
     child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
     spare = free_bytes - int(act_bytes * headroom)
     return max(0, min(workers, spare // child)) if spare > 0 else 0
+
+
+def twins_limited(candidates: int, spec, cpus: int, workers: int, free_bytes: int, arena_bytes: int,
+                  act_bytes: int, headroom: float) -> int:
+    """How many backward twins (``runtime.precompile_backward``) to start for ``candidates``
+    training variants, beside ``workers`` whole-variant children: with ``auto`` parallel
+    compiles up to a third of the cores, with a count up to that count; and as many as fit in
+    the device memory the children leave. A twin holds an arena and a CUDA context, but runs no
+    step, so no activations."""
+    if candidates < 1 or workers < 0:
+        return 0
+    cap = cpus // 3 if spec == "auto" else int(spec)
+    child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
+    spare = free_bytes - int(act_bytes * headroom) - workers * child
+    fit = spare // (int(arena_bytes * headroom) + CONTEXT_BYTES) if spare > 0 else 0
+    return max(0, min(candidates, cap, fit))
 
 
 # what a launcher imports before it forks: PyTorch, the trainer, and the parts of Dynamo,
@@ -497,6 +516,8 @@ class _Child:
     name: str
     train: bool
     also: tuple[str, ...] = ()  # variants stepped after it in the same child (runtime.dynamic_batch)
+    backward: bool = False  # a backward twin: compiles only the variant's backward (split_compile)
+    lock: str = ""  # the twin's lock file: held by the twin, waited on by the whole variant's compile
     proc: subprocess.Popen | None = None
     log_path: str = ""
     started: float = 0.0
@@ -511,44 +532,70 @@ class Precompiler:
     ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
 
     def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
-                 also: dict[str, list[str]] | None = None, launcher: Launcher | None = None):
+                 also: dict[str, list[str]] | None = None, launcher: Launcher | None = None,
+                 twins: tuple[str, ...] = ()):
         """``also``: for a variant, others of the same split that its child steps after it
         (``runtime.dynamic_batch``: they share its graph, or, where Dynamo's guards do not
         admit their batch size, compile their own in the child rather than here).
         ``launcher``: fork the children from it (it is closed with the precompiler; one that
-        fails starts them as fresh processes itself); None: each child is a fresh process."""
+        fails starts them as fresh processes itself); None: each child is a fresh process.
+        ``twins``: training variants whose backward a twin compiles beside the whole variant's
+        compile (``runtime.precompile_backward``, see ``split_compile``): a child's variant, or
+        the main process's own first one (``twin_lock`` gives its lock). The twins start first
+        and are not counted in ``workers``."""
         self.log = log
         self.device_index = device_index
         self.workers = workers
-        self.children = [_Child(n, t, tuple((also or {}).get(n, ()))) for n, t in variants]
         self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
+        self.twins = [_Child(n, True, backward=True, lock=os.path.join(self._tmp.name, f"{n}.backward.lock"))
+                      for n in dict.fromkeys(twins)]
+        for t in self.twins:
+            open(t.lock, "w").close()  # empty until the twin holds it: nothing to wait for yet
+        locks = {t.name: t.lock for t in self.twins}
+        self.children = [_Child(n, t, tuple((also or {}).get(n, ())), lock=locks.get(n, "") if t else "")
+                         for n, t in variants]
         self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
         with open(self._pc_path, "wb") as f:
             pickle.dump(pc, f)
         self._env = child_env()
         self.launcher = launcher
         self._queue = list(self.children)
+        for t in self.twins:
+            self._start(t)
         self._fill()
+
+    def twin_lock(self, name: str) -> str | None:
+        """The lock of ``name``'s backward twin, or None where it has none."""
+        return next((t.lock for t in self.twins if t.name == name), None)
+
+    def _start(self, c: _Child) -> bool:
+        c.log_path = os.path.join(self._tmp.name, f"{c.name}{'.backward' if c.backward else ''}.log")
+        argv = [self._pc_path, ",".join((c.name,) + c.also), "train" if c.train else "val", str(self.device_index)]
+        if c.backward:
+            argv.append(f"{BACKWARD_FLAG}{c.lock}")
+        else:
+            if c.lock:
+                argv.append(f"{TWIN_FLAG}{c.lock}")
+            sharers = self._sharers()
+            if c in sharers:
+                argv.append(f"{SHARE_FLAG}{sharers.index(c)}/{len(sharers)}")
+        try:
+            c.proc = (self.launcher.start(argv, c.log_path) if self.launcher is not None
+                      else _spawn(argv, c.log_path, self._env))
+        except OSError as e:  # no process to be had: this variant compiles in the main process
+            c.ok = False
+            what = "backward twin" if c.backward else "parallel compile"
+            self.log(f"  {c.name}: could not start a {what} ({e.strerror}); compiling it here")
+            return False
+        c.started = time.perf_counter()
+        c.started_wall = time.time()
+        return True
 
     def _fill(self) -> None:
         running = sum(1 for c in self.children if c.proc is not None and c.ok is None)
         while self._queue and running < self.workers:
-            c = self._queue.pop(0)
-            c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
-            argv = [self._pc_path, ",".join((c.name,) + c.also), "train" if c.train else "val", str(self.device_index)]
-            sharers = self._sharers()
-            if c in sharers:
-                argv.append(f"{SHARE_FLAG}{sharers.index(c)}/{len(sharers)}")
-            try:
-                c.proc = (self.launcher.start(argv, c.log_path) if self.launcher is not None
-                          else _spawn(argv, c.log_path, self._env))
-            except OSError as e:  # no process to be had: this variant compiles in the main process
-                c.ok = False
-                self.log(f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
-                continue
-            c.started = time.perf_counter()
-            c.started_wall = time.time()
-            running += 1
+            if self._start(self._queue.pop(0)):
+                running += 1
 
     def _sharers(self) -> list[_Child]:
         """The children that run a share of the main process's cuDNN search beside their compile
@@ -580,12 +627,19 @@ class Precompiler:
         done_at = c.counters.pop("done_at", None)
         if isinstance(done_at, (int, float)):  # when the child itself finished (same host clock)
             c.seconds = max(0.0, min(c.seconds, done_at - c.started_wall))
-        if c.ok:
+        last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), f"exit status {rc}")
+        if c.backward:
+            self.log(f"  {c.name}: backward compiled in a twin process in {c.seconds:.0f}s" if c.ok else
+                     f"  {c.name}: backward twin failed ({last.strip()[:160]}); the variant's compile does its backward")
+        elif c.ok:
             self.log(f"  {c.name}: compiled in a parallel process in {c.seconds:.0f}s")
         else:
-            last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), f"exit status {rc}")
             self.log(f"  {c.name}: parallel compile failed ({last.strip()[:160]}); compiling it here")
         return True
+
+    def _reap_all(self) -> None:
+        for c in self.children + self.twins:
+            self._reap(c, block=False)
 
     def wait(self, name: str) -> None:
         """Block until ``name``'s child is done (starting queued children as others finish)."""
@@ -596,8 +650,7 @@ class Precompiler:
             self._queue.remove(target)
             return
         while True:
-            for c in self.children:
-                self._reap(c, block=False)
+            self._reap_all()
             self._fill()
             if target.ok is not None:
                 return
@@ -607,7 +660,8 @@ class Precompiler:
         """``"3 parallel compiles running"``, or None when none is: for the warm-up's progress
         lines, from another thread. It asks the processes themselves (``poll``), since the main
         thread only reaps them between its own compiles."""
-        n = sum(1 for c in list(self.children) if c.proc is not None and c.ok is None and c.proc.poll() is None)
+        n = sum(1 for c in list(self.children) + list(self.twins)
+                if c.proc is not None and c.ok is None and c.proc.poll() is None)
         return f"{n} parallel compile{'s' if n != 1 else ''} running" if n else None
 
     def next_ready(self, names: list[str]) -> str:
@@ -616,8 +670,7 @@ class Precompiler:
         one of them finishes. So the main process loads each variant as soon as it is compiled."""
         by_name = {c.name: c for c in self.children}
         while True:
-            for c in self.children:
-                self._reap(c, block=False)
+            self._reap_all()
             self._fill()
             for n in names:
                 c = by_name.get(n)
@@ -628,7 +681,7 @@ class Precompiler:
     def close(self) -> None:
         if self.launcher is not None:  # first: its children end with it, forked or not yet
             self.launcher.close()
-        for c in self.children:
+        for c in self.children + self.twins:
             if c.proc is not None and c.ok is None and c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
@@ -636,9 +689,13 @@ class Precompiler:
         self._tmp.cleanup()
 
     def summary(self) -> dict:
-        return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1),
-                         **({"start": getattr(c.proc, "start", "spawn")} if c.proc is not None else {}), **c.counters}
-                for c in self.children}
+        """Each child's outcome, time and counters, by variant; a backward twin's as
+        ``"<variant> backward"``."""
+        self._reap_all()
+        return {c.name + (" backward" if c.backward else ""):
+                {"ok": c.ok, "seconds": round(c.seconds, 1),
+                 **({"start": getattr(c.proc, "start", "spawn")} if c.proc is not None else {}), **c.counters}
+                for c in self.children + self.twins}
 
 
 # Dynamo's and Inductor's own phase timers, summed over the child's compiles: where its time goes
@@ -730,6 +787,16 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
         argv.remove(a)
         k, n = a[len(SHARE_FLAG):].split("/")
         share = (int(k), int(n))
+    backward_lock = twin_lock = None  # this child is a backward twin / its backward waits for one
+    for a in [a for a in argv if a.startswith((BACKWARD_FLAG, TWIN_FLAG))]:
+        argv.remove(a)
+        if a.startswith(BACKWARD_FLAG):
+            backward_lock = a[len(BACKWARD_FLAG):]
+        else:
+            twin_lock = a[len(TWIN_FLAG):]
+    from tr_hydra.runtime import split_compile
+    if backward_lock:
+        split_compile.hold(backward_lock)  # until this process ends
     if len(argv) == 5:
         sent = float(argv.pop())
     path, names, split, index = argv
@@ -752,17 +819,28 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
         # compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key).
         # Beside the compile, a share of that search runs here only to have the driver compile
         # cuDNN's kernels into its shared cache; it ends before the compiled code runs
-        job = _share_search(tr, share)
+        job = _share_search(tr, share) if backward_lock is None else None
         if job is None:
             torch.backends.cudnn.benchmark = False
+        waited: list[float] = []
+        skipped = None
         try:
-            for name in names.split(","):
-                if split == "train":
-                    tr.ex.train_step(name, "A")
-                else:
-                    tr.model.eval()
-                    with tr.ex.folded():
-                        tr.ex.val_step(name, "A")
+            if backward_lock:  # the first variant's backward only: its forward is never run
+                with split_compile.backward_only():
+                    try:
+                        tr.ex.train_step(names.split(",")[0], "A")
+                        skipped = False
+                    except split_compile.ForwardSkipped:
+                        skipped = True
+            else:
+                with (split_compile.waits_for_twin(twin_lock, waited) if twin_lock else contextlib.nullcontext()):
+                    for name in names.split(","):
+                        if split == "train":
+                            tr.ex.train_step(name, "A")
+                        else:
+                            tr.model.eval()
+                            with tr.ex.folded():
+                                tr.ex.val_step(name, "A")
         finally:
             rep = job.close() if job is not None else None
         if tr.device.type == "cuda":
@@ -774,7 +852,9 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
                   **({"error": job.error} if job.error else {})}
     out = dict(_counters(), variants=names.split(","), start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
-               step_s=round(t_end - t_trainer, 2), phases_s=phase_seconds(), timers_s=_timers(), cudnn_share=shared, done_at=time.time())
+               step_s=round(t_end - t_trainer, 2), phases_s=phase_seconds(), timers_s=_timers(), cudnn_share=shared,
+               **({"forward_skipped": skipped} if backward_lock else {}),
+               **({"twin_wait_s": round(sum(waited), 2)} if twin_lock else {}), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 

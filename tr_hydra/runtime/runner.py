@@ -280,6 +280,7 @@ class Trainer:
                 self.log(f"{key} has no effect without Inductor (runtime.compile)")
         self.inductor = forward is not model
         self.precompile_summary: dict | None = None
+        self.twin_wait_s: float | None = None  # how long the first variant's backward waited for its twin
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
                                compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
@@ -367,6 +368,7 @@ class Trainer:
         if not pc.runtime.cuda_graph:
             self.prime_cudnn()
             return
+        from tr_hydra.runtime import split_compile
         from tr_hydra.runtime.graphs import CudaGraphs
         from tr_hydra.runtime.progress import Heartbeat
         self.graphs = CudaGraphs(self.ex)
@@ -407,9 +409,16 @@ class Trainer:
                     job, ahead = ahead, None
                     self._settle_search_ahead(job)
             next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre)
-            with self._autotune_flush() as flush, beat:
+            # this process's own first variant: its backward from its twin, once that is done
+            twin = pre.twin_lock(train_v[0]) if pre is not None and train_v else None
+            waited: list[float] = []
+            with self._autotune_flush() as flush, beat, \
+                    (split_compile.waits_for_twin(twin, waited) if twin else contextlib.nullcontext()):
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                                     next_variant=next_variant, before_capture=settle)
+            if waited:
+                self.twin_wait_s = sum(waited)
+                self.log(f"{train_v[0]}: waited {self.twin_wait_s:.1f}s for its backward's twin process")
             if flush is not None:
                 self.autotune_flush = flush
                 if flush.benchmarks or not flush.supported:
@@ -570,10 +579,30 @@ class Trainer:
                 self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
             return None
         here = "" if first else f"{(train_v + val_v)[0]} here, "
+        twins = self._twins(train_v if first else train_v[:1] + [v for v, t in order if t], n, free)
         self.log(f"compiling {len(every)} variants: {here}"
-                 f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
+                 f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
+                 + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
-                               launcher=self._launcher)
+                               launcher=self._launcher, twins=tuple(twins))
+
+    def _twins(self, candidates: list[str], workers: int, free: int) -> list[str]:
+        """The training variants whose backward a twin process compiles
+        (``runtime.precompile_backward``; see ``split_compile``), in warm-up order."""
+        from tr_hydra.runtime import precompile as pcm
+        from tr_hydra.runtime import split_compile
+        from tr_hydra.runtime.guards import HEADROOM
+        if not self.pc.runtime.precompile_backward or not candidates:
+            return []
+        why = split_compile.supported()
+        if why:
+            self.log(f"runtime.precompile_backward: not available ({why}); each variant compiles its own backward")
+            return []
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        k = pcm.twins_limited(len(candidates), self.pc.runtime.precompile, cpus, workers, free,
+                              self.compiled.plan.total_bytes + self.compiled.gradient_transient
+                              + self.compiled.library_workspace, self.compiled.activation_estimate, HEADROOM)
+        return candidates[:k]
 
     def _full_batch(self, split: str) -> int:
         """The batch size a source is asked for in ``split`` (a last batch is a part of one)."""
