@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).to(memory_format=torch.channels_last)
     x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
-    step = torch.compile(net, dynamic=False)
+    step = torch.compile(net, dynamic=len(sys.argv) > 2)  # "dynamic": the batch symbolic
     out = {"mode": sys.argv[1]}
     if sys.argv[1] == "twin":
         with split_compile.backward_only():
@@ -49,11 +49,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode: str, cache: str, tmp_path) -> dict:
+def _run(mode: str, cache: str, tmp_path, *extra: str) -> dict:
     script = tmp_path / "step.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run([sys.executable, str(script), mode, *extra], capture_output=True, text=True, env=env,
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -77,6 +78,16 @@ def test_a_twin_compiles_the_backward_that_a_whole_compile_then_loads_with_the_s
     # a twin that comes after the whole compile finds both halves, and still runs no step
     late = _run("twin", fresh, tmp_path)
     assert late["skipped"] and late["fx"].get("fxgraph_cache_hit") == 2 and not late["fx"].get("fxgraph_cache_miss"), late
+
+
+def test_a_twin_of_a_graph_with_a_symbolic_batch(tmp_path):
+    """runtime.dynamic_batch's graphs: the saved tensors' strides are expressions of the batch
+    size, handed over as Inductor prints them."""
+    shared = str(tmp_path / "shared")
+    twin = _run("twin", shared, tmp_path, "dynamic")
+    assert twin["skipped"] and twin["fx"].get("fxgraph_cache_miss") == 2, twin
+    loaded = _run("whole", shared, tmp_path, "dynamic")
+    assert loaded["fx"].get("fxgraph_cache_hit") == 1 and loaded["fx"].get("fxgraph_cache_miss") == 1, loaded
 
 
 def test_waiting_for_a_twin(tmp_path):

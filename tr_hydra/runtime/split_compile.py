@@ -40,11 +40,13 @@ def supported() -> str:
     try:
         import torch._functorch.config as fc
         import torch._inductor.compile_fx as cfx
+        import torch.fx.experimental.symbolic_shapes as ss
         from torch._inductor import utils as iu
         from torch._inductor.graph import GraphLowering
     except Exception as e:  # noqa: BLE001 - no Inductor
         return f"Inductor does not import ({type(e).__name__})"
-    for ok, what in ((hasattr(cfx, "_compile_fx_inner"), "compile_fx._compile_fx_inner"),
+    for ok, what in ((hasattr(ss, "SymExprPrinter"), "symbolic_shapes.SymExprPrinter"),
+                     (hasattr(cfx, "_compile_fx_inner"), "compile_fx._compile_fx_inner"),
                      (hasattr(GraphLowering, "compile_to_module"), "GraphLowering.compile_to_module"),
                      (hasattr(iu, "set_tracing_context_output_strides"), "utils.set_tracing_context_output_strides"),
                      (hasattr(fc, "force_non_lazy_backward_lowering"), "functorch's force_non_lazy_backward_lowering"),
@@ -59,10 +61,12 @@ def output_strides(graph_outputs) -> list:
     (``CompiledFxGraph.output_strides``: strings of sizes' expressions, None where an output
     is no tensor)."""
     from torch._inductor.ir import IRNode
+    from torch.fx.experimental.symbolic_shapes import SymExprPrinter, free_unbacked_symbols
+    p = SymExprPrinter()  # as Inductor prints them, for AOTAutograd to read back
     out = []
     for o in graph_outputs or ():
-        if isinstance(o, IRNode) and o.has_tensor_output():
-            out.append(tuple(str(s) for s in o.get_layout().stride))
+        if isinstance(o, IRNode) and o.has_tensor_output() and not free_unbacked_symbols(o.get_stride()):
+            out.append(tuple(p.doprint(s) for s in o.get_layout().stride))
         else:
             out.append(None)
     return out
