@@ -96,12 +96,15 @@ def test_the_note_counts_the_parallel_compiles_still_running():
         return SimpleNamespace(proc=proc, ok=ok)
     pre = SimpleNamespace(children=[child(True, None), child(True, None), child(True, True, 0),
                                     child(False, None), child(True, False, 1),
-                                    child(True, None, 0)])  # ended, not yet reaped by the main thread
+                                    child(True, None, 0)],  # ended, not yet reaped by the main thread
+                          twins=[])
     assert Precompiler.running_note(pre) == "2 parallel compiles running"
     pre.children = pre.children[1:]
     assert Precompiler.running_note(pre) == "1 parallel compile running"
     pre.children = [child(True, True, 0), child(True, None, 0)]
     assert Precompiler.running_note(pre) is None
+    pre.twins = [child(True, None), child(True, True, 0)]  # runtime.precompile_backward's: one running
+    assert Precompiler.running_note(pre) == "1 parallel compile running"
 
 
 def test_tr_bench_shows_the_trainers_progress_lines_on_stderr_and_keeps_every_line(capsys):
@@ -161,6 +164,9 @@ def test_the_trainers_capture_reports_its_waits_until_the_graphs_are_captured(tm
 
         def running_note(self):
             return f"{len(self.left)} parallel compiles running" if self.left else None
+
+        def twin_lock(self, name):  # no backward twins (runtime.precompile_backward=false)
+            return None
 
         def summary(self):
             return {}
