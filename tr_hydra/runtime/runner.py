@@ -595,6 +595,10 @@ class Trainer:
         if not self.pc.runtime.precompile_backward or not candidates:
             return []
         why = split_compile.supported()
+        if not why and self.pc.runtime.dynamic_batch:
+            # on the H200 the children of graphs with a symbolic batch did not find their twins'
+            # backward in the cache (they do on the CPU): compiling it twice gains nothing
+            why = "not with runtime.dynamic_batch"
         if why:
             self.log(f"runtime.precompile_backward: not available ({why}); each variant compiles its own backward")
             return []
