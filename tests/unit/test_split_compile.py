@@ -186,3 +186,20 @@ def test_the_trainer_gives_twins_to_static_graphs_only(tmp_path):
         tr = Trainer(pc, tmp_path / str(dyn), log=logs.append, telemetry=False, source=False)
         assert tr._twins(["train_base", "train_last"], 1, 100 * GiB) == want
     assert any("not with runtime.dynamic_batch" in ln for ln in logs), logs
+
+
+def test_a_twin_that_cannot_start_leaves_the_backward_to_its_variant(monkeypatch):
+    import errno
+    logs = []
+
+    def no_process(*a, **k):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    monkeypatch.setattr(pcm, "_spawn", no_process)
+    pre = pcm.Precompiler(small_config(), [("train_last", True)], workers=1, log=logs.append, twins=("train_base",))
+    try:
+        assert pre.twins[0].ok is False and pre.children[0].ok is False
+    finally:
+        pre.close()
+    assert any("train_base: could not start a backward twin" in ln and "the variant's compile does its backward" in ln
+               for ln in logs), logs
+    assert any("train_last: could not start a parallel compile" in ln for ln in logs), logs

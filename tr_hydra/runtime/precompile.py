@@ -584,8 +584,9 @@ class Precompiler:
                       else _spawn(argv, c.log_path, self._env))
         except OSError as e:  # no process to be had: this variant compiles in the main process
             c.ok = False
-            what = "backward twin" if c.backward else "parallel compile"
-            self.log(f"  {c.name}: could not start a {what} ({e.strerror}); compiling it here")
+            self.log(f"  {c.name}: could not start a backward twin ({e.strerror}); the variant's compile does "
+                     f"its backward" if c.backward else
+                     f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
             return False
         c.started = time.perf_counter()
         c.started_wall = time.time()
