@@ -161,6 +161,38 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     assert any("warming up train_base" in logs[i] for i in still), logs
 
 
+def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_path, monkeypatch):
+    """runtime.precompile_saved (the default): each child compiles its variant's forward and
+    backward whole and saves them; the main process loads each file instead of tracing the
+    variant, and trains as before."""
+    import dataclasses
+    from tr_hydra.runtime import saved_compile
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
+                      val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5))
+    assert pc.runtime.precompile_saved and saved_compile.supported() == ""
+    logs = []
+    tr = Trainer(pc, tmp_path / "run", log=logs.append)
+    res = tr.fit()
+    s = tr.precompile_summary
+    children = ["train_last", "train_lowres", "train_lowres_last", "val_base", "val_last"]
+    assert sorted(s) == children and all(r["ok"] for r in s.values()), (s, logs)
+    # every child compiled its variant whole and saved it; the main process loaded all five
+    assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
+               for n, r in s.items()), s
+    assert sorted(tr.saved_load_s) == children, logs
+    assert sorted(tr.ex.saved_forwards) == children
+    assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
+    # the main process traced no model forward for them: only its own first variant's and the
+    # loss's (a small graph, from the caches)
+    work = tr.graphs.warmup_work
+    assert all(work[n].get("compiled", 0) == 0 for n in children), work
+    assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
+    assert res.epochs[-1]["val"]["loss"] == res.epochs[-1]["val"]["loss"]
+
+
 def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
     """cuBLAS keeps a workspace per stream for the whole run. Warm-up and capture run on one
     stream per device, so besides the arenas the process holds one workspace set, within the

@@ -103,8 +103,8 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=()):
-            seen.update(order=order, n=n, launcher=launcher, twins=twins)
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
+            seen.update(order=order, n=n, launcher=launcher, twins=twins, saved=saved)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
@@ -120,6 +120,7 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
         assert seen["order"] == want and seen["n"] == len(want)
         # every training variant's backward gets a twin, the main process's own first one too
         assert seen["twins"] == ("train_base", "train_last")
+        assert seen["saved"] is False  # runtime.precompile_saved is not used with twins
 
 
 def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():

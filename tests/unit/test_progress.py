@@ -168,6 +168,9 @@ def test_the_trainers_capture_reports_its_waits_until_the_graphs_are_captured(tm
         def twin_lock(self, name):  # no backward twins (runtime.precompile_backward=false)
             return None
 
+        def saved_forward(self, name):  # no saved compiles (runtime.precompile_saved)
+            return None
+
         def summary(self):
             return {}
 

@@ -409,6 +409,8 @@ def mix_tr(pc, device, repeat: int) -> dict:
             "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error,
             # runtime.precompile_backward: how long the first variant's backward waited for its twin
             "twin_wait_seconds": tr.twin_wait_s,
+            # runtime.precompile_saved: per variant, seconds to load the compile its child saved
+            "saved_load_seconds": {v: round(t, 3) for v, t in tr.saved_load_s.items()},
             "trainer_log": lines}
 
 
@@ -618,6 +620,11 @@ def mix_table(mix: dict) -> str:
         if r.get("twin_wait_seconds") is not None:
             lines.append(f"{m}: the main process's first variant waited {r['twin_wait_seconds']:.1f}s for its "
                          f"backward's twin (runtime.precompile_backward)")
+        if r.get("saved_load_seconds"):
+            loads = r["saved_load_seconds"]
+            lines.append(f"{m}: the main process loaded {len(loads)} saved compile{'s' if len(loads) != 1 else ''} "
+                         f"in {sum(loads.values()):.1f}s "
+                         f"(runtime.precompile_saved): " + ", ".join(f"{v} {t:.2f}s" for v, t in loads.items()))
         line = _compile_work_line(r.get("compile_work_by_variant"))
         if line:
             lines.append(f"{m}: {line}")
@@ -653,6 +660,9 @@ def _precompile_line(summary: dict | None, launcher_ready: float | None, launche
         split = [f"{k} {c[k + '_s']:.1f}s" for k in ("start", "import", "trainer", "step") if c.get(k + "_s") is not None]
         if c.get("twin_wait_s"):  # its backward waited for its twin (runtime.precompile_backward)
             split.append(f"waited {c['twin_wait_s']:.1f}s for its twin")
+        for v, t in (c.get("saved_s") or {}).items():  # runtime.precompile_saved: compiled whole, saved
+            split.append(f"compiled whole and saved in {t:.1f}s" if v not in (c.get("saved_errors") or {})
+                         else f"not saved ({c['saved_errors'][v][:80]})")
         share = c.get("cudnn_share")
         if share:  # its share of the main process's cuDNN search, run beside its compile
             split.append(f"cuDNN share {share['calls']}/{share['of']} in {share['seconds']:.1f}s"

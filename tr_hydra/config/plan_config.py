@@ -96,6 +96,7 @@ class RuntimeSpec:
     precompile: str | int = "auto"
     precompile_first: bool = False
     precompile_backward: bool = False
+    precompile_saved: bool = True
     precompile_start: str = "auto"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this

@@ -70,6 +70,15 @@ def _kernel():
     return maxpool_gather_backward_kernel
 
 
+def __getattr__(name):
+    """``maxpool_gather_backward_kernel``, made on first use (Triton imported then): a saved
+    compile (``runtime.precompile_saved``) finds the Triton kernels it launches by module and
+    name when it is loaded."""
+    if name == "maxpool_gather_backward_kernel":
+        return _kernel()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _grad_strides(gy: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The input gradient's strides: channels-last when the output's gradient is, else contiguous."""
     n, c, h, w = shape

@@ -126,6 +126,12 @@ class StepExecutor:
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
         # (with runtime.inductor_options, as the model's compile)
         options = dict(compiled.config.runtime.inductor_options)
+        self.compile_options = options
+        # runtime.precompile_saved: a variant's forward (and backward) compiled whole, called in
+        # place of ``forward_fn``: loaded from its parallel compile's file, or, in that child,
+        # compiled and saved by ``recorder`` (saved_compile.Recorder) on the variant's first step
+        self.saved_forwards: dict[str, Callable] = {}
+        self.recorder = None
         self._loss_fn = loss_and_metrics if not compile_loss else \
             torch.compile(loss_and_metrics, dynamic=False, options=options) if options \
             else torch.compile(loss_and_metrics, dynamic=False)
@@ -441,6 +447,22 @@ class StepExecutor:
             torch._dynamo.maybe_mark_dynamic(x, 0)
         return x, lab
 
+    def _forward_of(self, variant: str, x: torch.Tensor) -> Callable:
+        """The forward a variant's step calls: its saved compile where it has one, else
+        ``forward_fn``. Called under the step's grad mode and autocast."""
+        f = self.saved_forwards.get(variant)
+        if f is None and self.recorder is not None and variant in self.recorder.paths:
+            f = self.recorder.forward(variant, self.model, x)  # None: it could not (kept in its report)
+            if f is not None:
+                self.saved_forwards[variant] = f
+        return f if f is not None else self.forward_fn
+
+    def load_saved_forward(self, variant: str, path: str) -> None:
+        """Use the compile saved in ``path`` (by a parallel compile's ``recorder``) for
+        ``variant``'s steps."""
+        from tr_hydra.runtime import saved_compile
+        self.saved_forwards[variant] = saved_compile.load(path, self.model, variant)
+
     def _autocast(self):
         if not self.amp:
             return contextlib.nullcontext()
@@ -461,7 +483,7 @@ class StepExecutor:
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with self._autocast():
-            logits = self.forward_fn(x)
+            logits = self._forward_of(ctx.variant, x)(x)
         self._loss_metrics(ctx, logits, y, train=True)
         ctx.logits = logits
 
@@ -487,7 +509,7 @@ class StepExecutor:
     def _forward_eval(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with torch.no_grad(), self._autocast():
-            logits = self.forward_fn(x)
+            logits = self._forward_of(ctx.variant, x)(x)
             self._loss_metrics(ctx, logits, y, train=False)
 
     # ------------------------------------------------------------------ steps

@@ -36,6 +36,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHARE_FLAG = "--cudnn-share="  # a child's argument: its share k/n of the main process's cuDNN search
 BACKWARD_FLAG = "--backward-only="  # a child's argument: it is the backward twin holding this lock
 TWIN_FLAG = "--twin="  # a child's argument: its backward waits for the twin holding this lock
+SAVE_FLAG = "--save-forward="  # a child's argument: compile its variant's forward whole and save it here
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -518,6 +519,7 @@ class _Child:
     also: tuple[str, ...] = ()  # variants stepped after it in the same child (runtime.dynamic_batch)
     backward: bool = False  # a backward twin: compiles only the variant's backward (split_compile)
     lock: str = ""  # the twin's lock file: held by the twin, waited on by the whole variant's compile
+    saved: str = ""  # where the child saves its variant's forward compiled whole (runtime.precompile_saved)
     proc: subprocess.Popen | None = None
     log_path: str = ""
     started: float = 0.0
@@ -533,7 +535,7 @@ class Precompiler:
 
     def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
                  also: dict[str, list[str]] | None = None, launcher: Launcher | None = None,
-                 twins: tuple[str, ...] = ()):
+                 twins: tuple[str, ...] = (), saved: bool = False):
         """``also``: for a variant, others of the same split that its child steps after it
         (``runtime.dynamic_batch``: they share its graph, or, where Dynamo's guards do not
         admit their batch size, compile their own in the child rather than here).
@@ -542,7 +544,9 @@ class Precompiler:
         ``twins``: training variants whose backward a twin compiles beside the whole variant's
         compile (``runtime.precompile_backward``, see ``split_compile``): a child's variant, or
         the main process's own first one (``twin_lock`` gives its lock). The twins start first
-        and are not counted in ``workers``."""
+        and are not counted in ``workers``. ``saved``: each child of one variant compiles its
+        forward whole and saves it (``runtime.precompile_saved``, see ``saved_compile``), for
+        ``saved_forward`` to hand to the main process."""
         self.log = log
         self.device_index = device_index
         self.workers = workers
@@ -554,6 +558,10 @@ class Precompiler:
         locks = {t.name: t.lock for t in self.twins}
         self.children = [_Child(n, t, tuple((also or {}).get(n, ())), lock=locks.get(n, "") if t else "")
                          for n, t in variants]
+        if saved:
+            for c in self.children:
+                if not c.also and not c.lock:  # one static graph, compiled whole in the child
+                    c.saved = os.path.join(self._tmp.name, f"{c.name}.forward")
         self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
         with open(self._pc_path, "wb") as f:
             pickle.dump(pc, f)
@@ -563,6 +571,14 @@ class Precompiler:
         for t in self.twins:
             self._start(t)
         self._fill()
+
+    def saved_forward(self, name: str) -> str | None:
+        """The file holding ``name``'s forward compiled whole by its child, once that child is
+        done and wrote it; else None (no child, a failed one, or the child could not save it)."""
+        c = next((c for c in self.children if c.name == name), None)
+        if c is None or not c.saved or not c.ok or not os.path.exists(c.saved):
+            return None
+        return c.saved
 
     def twin_lock(self, name: str) -> str | None:
         """The lock of ``name``'s backward twin, or None where it has none."""
@@ -576,6 +592,8 @@ class Precompiler:
         else:
             if c.lock:
                 argv.append(f"{TWIN_FLAG}{c.lock}")
+            if c.saved:
+                argv.append(f"{SAVE_FLAG}{c.saved}")
             sharers = self._sharers()
             if c in sharers:
                 argv.append(f"{SHARE_FLAG}{sharers.index(c)}/{len(sharers)}")
@@ -788,11 +806,13 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
         argv.remove(a)
         k, n = a[len(SHARE_FLAG):].split("/")
         share = (int(k), int(n))
-    backward_lock = twin_lock = None  # this child is a backward twin / its backward waits for one
-    for a in [a for a in argv if a.startswith((BACKWARD_FLAG, TWIN_FLAG))]:
+    backward_lock = twin_lock = save_to = None  # a backward twin / waits for one / saves its compile
+    for a in [a for a in argv if a.startswith((BACKWARD_FLAG, TWIN_FLAG, SAVE_FLAG))]:
         argv.remove(a)
         if a.startswith(BACKWARD_FLAG):
             backward_lock = a[len(BACKWARD_FLAG):]
+        elif a.startswith(SAVE_FLAG):
+            save_to = a[len(SAVE_FLAG):]
         else:
             twin_lock = a[len(TWIN_FLAG):]
     from tr_hydra.runtime import split_compile
@@ -825,6 +845,10 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
             torch.backends.cudnn.benchmark = False
         waited: list[float] = []
         skipped = None
+        if save_to:
+            from tr_hydra.runtime.saved_compile import Recorder
+            tr.ex.recorder = Recorder({names.split(",")[0]: save_to}, tr.ex.compile_options,
+                                      on_compiled=job.close if job is not None else None)
         try:
             if backward_lock:  # the first variant's backward only: its forward is never run
                 with split_compile.backward_only():
@@ -855,7 +879,8 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
                import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
                step_s=round(t_end - t_trainer, 2), phases_s=phase_seconds(), timers_s=_timers(), cudnn_share=shared,
                **({"forward_skipped": skipped} if backward_lock else {}),
-               **({"twin_wait_s": round(sum(waited), 2)} if twin_lock else {}), done_at=time.time())
+               **({"twin_wait_s": round(sum(waited), 2)} if twin_lock else {}),
+               **(tr.ex.recorder.report() if save_to else {}), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 

@@ -117,11 +117,12 @@ def warm_up_order(shared: dict[str, str], pre=None):
     return pick
 
 
-def warm_up_progress(beat, pick, pre=None):
+def warm_up_progress(beat, pick, pre=None, loaded=None):
     """The warm-up's ``(next_variant, before_variant)`` hooks, telling ``beat`` (a
     ``progress.Heartbeat``) what the wait is: while ``pick`` (``warm_up_order``) waits for any
     parallel compile (``pre``) to finish; then for the chosen variant's own; then its warm-up, in
-    which the main process compiles it or loads the child's work."""
+    which the main process compiles it or loads the child's work. ``loaded(v)``: once ``v``'s
+    parallel compile is done, before its warm-up (loading what the child saved)."""
     def next_variant(names: list[str]) -> str:
         if pre is not None:
             beat.now("waiting for the parallel compiles")
@@ -131,6 +132,8 @@ def warm_up_progress(beat, pick, pre=None):
         if pre is not None:
             beat.now(f"waiting for {v}'s parallel compile")
             pre.wait(v)
+            if loaded is not None:
+                loaded(v)
         beat.now(f"warming up {v}")
     return next_variant, before_variant
 
@@ -281,6 +284,8 @@ class Trainer:
         self.inductor = forward is not model
         self.precompile_summary: dict | None = None
         self.twin_wait_s: float | None = None  # how long the first variant's backward waited for its twin
+        # runtime.precompile_saved: per variant, seconds to load its child's saved compile
+        self.saved_load_s: dict[str, float] = {}
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
                                compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
@@ -408,7 +413,8 @@ class Trainer:
                 if ahead is not None:
                     job, ahead = ahead, None
                     self._settle_search_ahead(job)
-            next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre)
+            next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre,
+                                                            loaded=lambda v: self._load_saved(pre, v))
             # this process's own first variant: its backward from its twin, once that is done
             twin = pre.twin_lock(train_v[0]) if pre is not None and train_v else None
             waited: list[float] = []
@@ -416,6 +422,10 @@ class Trainer:
                     (split_compile.waits_for_twin(twin, waited) if twin else contextlib.nullcontext()):
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                                     next_variant=next_variant, before_capture=settle)
+            if self.saved_load_s:
+                self.log(f"loaded the saved compiles of {len(self.saved_load_s)} variants in "
+                         f"{sum(self.saved_load_s.values()):.1f}s ("
+                         + ", ".join(f"{v} {s:.1f}s" for v, s in self.saved_load_s.items()) + ")")
             if waited:
                 self.twin_wait_s = sum(waited)
                 self.log(f"{train_v[0]}: waited {self.twin_wait_s:.1f}s for its backward's twin process")
@@ -580,11 +590,46 @@ class Trainer:
             return None
         here = "" if first else f"{(train_v + val_v)[0]} here, "
         twins = self._twins(train_v if first else train_v[:1] + [v for v, t in order if t], n, free)
+        saved = self._saved_wanted(bool(twins))
         self.log(f"compiling {len(every)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
                  + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
-                               launcher=self._launcher, twins=tuple(twins))
+                               launcher=self._launcher, twins=tuple(twins), saved=saved)
+
+    def _saved_wanted(self, twins: bool) -> bool:
+        """``runtime.precompile_saved``: whether the children save their variant's compile whole
+        for this process to load (see ``saved_compile``); says why not where it was asked for
+        but cannot be."""
+        from tr_hydra.runtime import saved_compile
+        rt = self.pc.runtime
+        if not rt.precompile_saved:
+            return False
+        why = saved_compile.supported()
+        for on, what in ((rt.dynamic_batch, "runtime.dynamic_batch"), (rt.recompute != "none", "runtime.recompute"),
+                         (rt.reuse_blocks, "runtime.reuse_blocks"), (rt.backward_streams != 1, "runtime.backward_streams"),
+                         (twins, "runtime.precompile_backward")):
+            if not why and on:
+                why = f"not with {what}"
+        if why:
+            self.log(f"runtime.precompile_saved: not used ({why}); each variant is traced here and its code "
+                     f"found in the caches")
+            return False
+        return True
+
+    def _load_saved(self, pre, v: str) -> None:
+        """Use ``v``'s saved compile, if its child wrote one; one line if it does not load (the
+        variant is then traced here, its code found in the caches)."""
+        path = pre.saved_forward(v)
+        if path is None:
+            return
+        t = time.perf_counter()
+        try:
+            self.ex.load_saved_forward(v, path)
+        except Exception as e:  # noqa: BLE001 - the ordinary load still works
+            self.log(f"  {v}: its saved compile did not load ({type(e).__name__}: {str(e)[:160]}); tracing it here")
+            return
+        self.saved_load_s[v] = time.perf_counter() - t
 
     def _twins(self, candidates: list[str], workers: int, free: int) -> list[str]:
         """The training variants whose backward a twin process compiles
