@@ -137,7 +137,9 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     assert all(t["ok"] and t["forward_skipped"] is True and t["start"] == start for t in twins.values()), twins
     assert all(s[n]["fxgraph_cache_hit"] >= 1 and "twin_wait_s" in s[n]
                for n in ("train_last", "train_lowres", "train_lowres_last")), s
-    assert tr.twin_wait_s is not None, logs  # the main process's first variant waited (if at all) too
+    # the main process's first variant waits for its twin where the twin has started by the time it
+    # reaches its backward (twin_wait_s); with this small model on a busy host it may not have
+    # (session ae, forked children: it compiled its backward itself), so that is not asserted
     assert sorted(s) == ["train_last", "train_lowres", "train_lowres_last", "val_base", "val_last"], logs
     assert all(r["ok"] for r in s.values()), (s, logs)
     assert all(r["start"] == start for r in s.values()), s
@@ -191,6 +193,23 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     assert all(work[n].get("compiled", 0) == 0 for n in children), work
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
     assert res.epochs[-1]["val"]["loss"] == res.epochs[-1]["val"]["loss"]
+    # runtime.saved_store (the default): the five were kept; a later run of the same plan with
+    # another learning rate loads them all, starts no child (nor a launcher) and trains
+    assert sorted(tr.saved_stored) == children and tr.saved_from_store == [], logs
+    tr.close()
+    pc2 = dataclasses.replace(pc, optimizer=dataclasses.replace(pc.optimizer, lr=pc.optimizer.lr * 2))
+    logs2 = []
+    tr2 = Trainer(pc2, tmp_path / "run2", log=logs2.append)
+    assert tr2._launcher is None
+    res2 = tr2.fit()
+    assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == children, logs2
+    assert sorted(tr2.saved_load_s) == children and tr2.saved_stored == [], logs2
+    assert any(line.startswith("runtime.saved_store: 5 of 6 variants' compiles kept by an earlier run")
+               for line in logs2), logs2
+    work = tr2.graphs.warmup_work
+    assert all(work[n].get("compiled", 0) == 0 for n in children), work
+    assert res2.epochs[-1]["train"]["loss"] == res2.epochs[-1]["train"]["loss"]
+    assert res2.epochs[-1]["val"]["loss"] == res2.epochs[-1]["val"]["loss"]
 
 
 def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):

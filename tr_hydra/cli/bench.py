@@ -411,6 +411,9 @@ def mix_tr(pc, device, repeat: int) -> dict:
             "twin_wait_seconds": tr.twin_wait_s,
             # runtime.precompile_saved: per variant, seconds to load the compile its child saved
             "saved_load_seconds": {v: round(t, 3) for v, t in tr.saved_load_s.items()},
+            # runtime.saved_store: those of them kept by an earlier run (no child compiled them),
+            # and the children's compiles this run kept for the next
+            "saved_from_store": list(tr.saved_from_store), "saved_stored": list(tr.saved_stored),
             "trainer_log": lines}
 
 
@@ -622,9 +625,12 @@ def mix_table(mix: dict) -> str:
                          f"backward's twin (runtime.precompile_backward)")
         if r.get("saved_load_seconds"):
             loads = r["saved_load_seconds"]
+            kept = r.get("saved_from_store") or []
             lines.append(f"{m}: the main process loaded {len(loads)} saved compile{'s' if len(loads) != 1 else ''} "
                          f"in {sum(loads.values()):.1f}s "
-                         f"(runtime.precompile_saved): " + ", ".join(f"{v} {t:.2f}s" for v, t in loads.items()))
+                         f"(runtime.precompile_saved): " + ", ".join(f"{v} {t:.2f}s" for v, t in loads.items())
+                         + (f"; {len(kept)} of them kept by an earlier run (runtime.saved_store), "
+                            f"no child compiled them" if kept else ""))
         line = _compile_work_line(r.get("compile_work_by_variant"))
         if line:
             lines.append(f"{m}: {line}")

@@ -97,6 +97,7 @@ class RuntimeSpec:
     precompile_first: bool = False
     precompile_backward: bool = False
     precompile_saved: bool = True
+    saved_store: bool = True  # keep the saved compiles for later runs of the same plan (see saved_compile.Store)
     precompile_start: str = "auto"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this

@@ -132,6 +132,7 @@ class StepExecutor:
         # compiled and saved by ``recorder`` (saved_compile.Recorder) on the variant's first step
         self.saved_forwards: dict[str, Callable] = {}
         self.recorder = None
+        self.saved_mismatch: dict[str, str] = {}  # per variant: how a loaded compile's input differed
         self._loss_fn = loss_and_metrics if not compile_loss else \
             torch.compile(loss_and_metrics, dynamic=False, options=options) if options \
             else torch.compile(loss_and_metrics, dynamic=False)
@@ -451,6 +452,13 @@ class StepExecutor:
         """The forward a variant's step calls: its saved compile where it has one, else
         ``forward_fn``. Called under the step's grad mode and autocast."""
         f = self.saved_forwards.get(variant)
+        if f is not None and getattr(f, "signature", None) is not None:
+            from tr_hydra.runtime.saved_compile import Signature
+            why = f.signature.differs(Signature.of(self.model, x))
+            if why:  # made for another input (a kept file whose key missed a difference): not used
+                self.saved_mismatch[variant] = why
+                del self.saved_forwards[variant]
+                f = None
         if f is None and self.recorder is not None and variant in self.recorder.paths:
             f = self.recorder.forward(variant, self.model, x)  # None: it could not (kept in its report)
             if f is not None:

@@ -132,8 +132,8 @@ def warm_up_progress(beat, pick, pre=None, loaded=None):
         if pre is not None:
             beat.now(f"waiting for {v}'s parallel compile")
             pre.wait(v)
-            if loaded is not None:
-                loaded(v)
+        if loaded is not None:
+            loaded(v)
         beat.now(f"warming up {v}")
     return next_variant, before_variant
 
@@ -162,6 +162,8 @@ class Trainer:
         note = bytecode.note_once()
         if note:
             self.log(note)
+        self._store = None  # saved_compile.Store (runtime.saved_store), set by _precompiler
+        self._store_keys: dict[str, str] = {}  # per variant: its key there
         # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture)
         self._launcher = self._start_launcher() if launcher else None
         self.launcher_ready_s: float | None = None  # seconds from its start until it could fork
@@ -284,8 +286,12 @@ class Trainer:
         self.inductor = forward is not model
         self.precompile_summary: dict | None = None
         self.twin_wait_s: float | None = None  # how long the first variant's backward waited for its twin
-        # runtime.precompile_saved: per variant, seconds to load its child's saved compile
+        # runtime.precompile_saved: per variant, seconds to load its child's saved compile (or
+        # the one kept from an earlier run: runtime.saved_store, those named in saved_from_store)
         self.saved_load_s: dict[str, float] = {}
+        self.saved_from_store: list[str] = []
+        self._stored: dict[str, str] = {}  # per variant: the file kept there, found at the capture
+        self.saved_stored: list[str] = []  # the variants whose saved compile this run kept there
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
                                compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
@@ -312,6 +318,11 @@ class Trainer:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if not pcm.launcher_wanted(self.pc, self.device.type, cpus):
             return None
+        store = self._saved_store()
+        if store is not None:  # an earlier run's saved compiles: no child may be needed at all
+            names = [v.name for v in self.pc.variants][0 if self.pc.runtime.precompile_first else 1:]
+            if all(store.find(self._store_key(v)) for v in names):
+                return None
         try:
             return pcm.Launcher(log=self.log)
         except OSError as e:
@@ -422,10 +433,12 @@ class Trainer:
                     (split_compile.waits_for_twin(twin, waited) if twin else contextlib.nullcontext()):
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                                     next_variant=next_variant, before_capture=settle)
+            self._keep_saved(pre)
             if self.saved_load_s:
                 self.log(f"loaded the saved compiles of {len(self.saved_load_s)} variants in "
                          f"{sum(self.saved_load_s.values()):.1f}s ("
-                         + ", ".join(f"{v} {s:.1f}s" for v, s in self.saved_load_s.items()) + ")")
+                         + ", ".join(f"{v} {s:.1f}s" for v, s in self.saved_load_s.items()) + ")"
+                         + (f"; kept for later runs: {', '.join(self.saved_stored)}" if self.saved_stored else ""))
             if waited:
                 self.twin_wait_s = sum(waited)
                 self.log(f"{train_v[0]}: waited {self.twin_wait_s:.1f}s for its backward's twin process")
@@ -577,9 +590,12 @@ class Trainer:
             return None
         first = self.pc.runtime.precompile_first
         every = [(v, True) for v in train_v] + [(v, False) for v in val_v]
-        order = every if first else every[1:]
+        self._find_stored([v for v, _ in every])
+        order = [(v, t) for v, t in (every if first else every[1:]) if v not in self._stored]
+        if not order:  # nothing left for a child: every one loads from the store
+            return None
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        want = pcm.requested_workers(self.pc.runtime.precompile, len(every), self.pc.world_size, cpus, first)
+        want = pcm.requested_workers(self.pc.runtime.precompile, len(order), self.pc.world_size, cpus, True)
         free, _ = torch.cuda.mem_get_info(self.device)
         n = pcm.memory_limited(want, free, self.compiled.plan.total_bytes + self.compiled.gradient_transient
                                + self.compiled.library_workspace,
@@ -588,10 +604,11 @@ class Trainer:
             if want:
                 self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
             return None
-        here = "" if first else f"{(train_v + val_v)[0]} here, "
-        twins = self._twins(train_v if first else train_v[:1] + [v for v, t in order if t], n, free)
+        mine = [] if first else [v for v, _ in every[:1] if v not in self._stored]
+        here = f"{mine[0]} here, " if mine else ""
+        twins = self._twins(mine + [v for v, t in order if t], n, free)
         saved = self._saved_wanted(bool(twins))
-        self.log(f"compiling {len(every)} variants: {here}"
+        self.log(f"compiling {len(every) - len(self._stored)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
                  + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
@@ -618,18 +635,84 @@ class Trainer:
         return True
 
     def _load_saved(self, pre, v: str) -> None:
-        """Use ``v``'s saved compile, if its child wrote one; one line if it does not load (the
-        variant is then traced here, its code found in the caches)."""
-        path = pre.saved_forward(v)
+        """Use ``v``'s saved compile, if its child wrote one or an earlier run kept one
+        (``runtime.saved_store``); one line if it does not load (the variant is then traced
+        here: its code found in the caches, or, for a kept file, compiled here; that file is
+        dropped from the store)."""
+        kept = self._stored.get(v)
+        path = kept or (pre.saved_forward(v) if pre is not None else None)
         if path is None:
             return
         t = time.perf_counter()
         try:
             self.ex.load_saved_forward(v, path)
         except Exception as e:  # noqa: BLE001 - the ordinary load still works
-            self.log(f"  {v}: its saved compile did not load ({type(e).__name__}: {str(e)[:160]}); tracing it here")
+            why = f"{type(e).__name__}: {str(e)[:160]}"
+            if kept:
+                self._store.drop(self._store_keys[v])
+                self.log(f"  {v}: the saved compile kept by an earlier run did not load ({why}); "
+                         f"compiling it here (and dropping that file)")
+            else:
+                self.log(f"  {v}: its saved compile did not load ({why}); tracing it here")
             return
         self.saved_load_s[v] = time.perf_counter() - t
+        if kept:
+            self.saved_from_store.append(v)
+
+    def _saved_store(self):
+        """``runtime.saved_store``: the ``saved_compile.Store`` this run reads and adds to, or None
+        (off, or the saved compiles themselves are not used; see ``_saved_wanted``)."""
+        from tr_hydra.runtime import saved_compile
+        rt = self.pc.runtime
+        if (not rt.saved_store or not rt.precompile_saved or saved_compile.supported() or rt.dynamic_batch
+                or rt.recompute != "none" or rt.reuse_blocks or rt.backward_streams != 1 or rt.precompile_backward):
+            return None
+        try:
+            return saved_compile.Store()
+        except OSError as e:  # no cache directory to be had: as without the option
+            self.log(f"runtime.saved_store: not used ({e.strerror or e})")
+            return None
+
+    def _store_key(self, v: str) -> str:
+        from tr_hydra.runtime import saved_compile
+        if v not in self._store_keys:
+            self._store_keys[v] = saved_compile.store_key(self.pc, v, self.device,
+                                                          dict(self.pc.runtime.inductor_options))
+        return self._store_keys[v]
+
+    def _find_stored(self, names: list[str]) -> None:
+        """The variants among ``names`` whose saved compile an earlier run kept (``_stored``):
+        they are loaded, not compiled; one line names them."""
+        self._store = self._saved_store()
+        if self._store is None:
+            return
+        self._stored = {v: p for v in names if (p := self._store.find(self._store_key(v)))}
+        if self._stored:
+            self.log(f"runtime.saved_store: {len(self._stored)} of {len(names)} variants' compiles kept by an "
+                     f"earlier run ({', '.join(self._stored)}): loaded, not compiled")
+
+    def _keep_saved(self, pre) -> None:
+        """After a capture: keep each compile this run loaded from a child in the store, for the
+        next run (it loaded here and its graphs were captured); drop a kept one that was made
+        for another input than its variant's."""
+        for v, why in self.ex.saved_mismatch.items():
+            self.log(f"  {v}: its saved compile was made for another input ({why}); compiled here instead")
+            self.saved_load_s.pop(v, None)
+            if v in self.saved_from_store:
+                self.saved_from_store.remove(v)
+                self._store.drop(self._store_keys[v])
+        if self._store is None or pre is None:
+            return
+        for v in self.saved_load_s:
+            path = pre.saved_forward(v)
+            if v in self._stored or path is None:
+                continue
+            try:
+                self._store.put(path, self._store_key(v))
+            except OSError as e:  # a full disk: this run is not harmed, the next one compiles
+                self.log(f"runtime.saved_store: {v}'s saved compile was not kept ({e.strerror or e})")
+                continue
+            self.saved_stored.append(v)
 
     def _twins(self, candidates: list[str], workers: int, free: int) -> list[str]:
         """The training variants whose backward a twin process compiles

@@ -24,13 +24,24 @@ stand for is checked here instead (``Signature``): the input's shape, strides, d
 the model's train/eval mode, grad mode and autocast. Everything else the compiled code reads
 (the parameters, BatchNorm's statistics) it reads from the model at each call, through the same
 bytecode as the ordinary compile, so it sees the arena's views.
+
+A file that loaded and stepped is kept for later runs (``runtime.saved_store``, see ``Store``):
+under a key of everything its compiled code depends on, in Inductor's cache directory. A later
+run of the same model, shapes, precision and runtime options (another learning rate, seed or
+number of epochs; a sweep's next job) loads it and starts no parallel compile for that variant.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import io
+import json
 import os
 import pickle
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -194,3 +205,108 @@ class Recorder:
         """For the child's summary line: seconds and bytes per variant saved, and any errors."""
         return {"saved_s": self.seconds, "saved_bytes": self.bytes,
                 **({"saved_errors": self.errors} if self.errors else {})}
+
+
+# ---------------------------------------------------------------- the store (runtime.saved_store)
+STORE_DIR = "tr_hydra_saved"  # under Inductor's cache directory
+# RuntimeSpec fields that do not change what the model's forward compiles to: when, where and
+# how many parallel compiles run, cuDNN's search, the warm-up's length (everything else in the
+# runtime section is in the key)
+_RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "precompile_first", "precompile_start",
+                      "precompile_saved", "saved_store", "prime_cudnn", "autotune_flush", "cudnn_benchmark_limit")
+
+
+def store_dir() -> str:
+    """``tr_hydra_saved`` in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else
+    PyTorch's default): the saved compiles live and go with the caches they were made from."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older layouts
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    return os.path.join(cache_dir(), STORE_DIR)
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """A hash of tr_hydra's own Python source: a saved compile is code traced from it (the
+    models, the stem, the max-pool), so any change to it makes a new key."""
+    import tr_hydra
+    root = os.path.dirname(os.path.abspath(tr_hydra.__file__))
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                p = os.path.join(dirpath, f)
+                h.update(os.path.relpath(p, root).encode() + b"\0")
+                with open(p, "rb") as fh:
+                    h.update(fh.read() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except Exception:  # noqa: BLE001 - not installed
+        return ""
+
+
+def store_key(pc, variant: str, device: torch.device, options: dict | None = None) -> str:
+    """The key of ``variant``'s saved compile: a hash of what its compiled code depends on. The
+    model (its spec and input channels), precision, the folded BatchNorm, the optimizer's name,
+    the variant's batch, resolution and split, every runtime option that changes the compile,
+    Inductor's options, the device, the versions of Python, PyTorch, torchvision and Triton,
+    and tr_hydra's own source (``source_digest``). Not in it: learning rates and the rest of
+    the optimizer's numbers, the schedule, epochs, seeds, the data's location and
+    augmentation, logging (none of them reaches the forward's compiled code)."""
+    v = pc.variant(variant)
+    key = {
+        "format": FORMAT, "source": source_digest(),
+        "versions": {"python": "%d.%d.%d" % sys.version_info[:3], "torch": torch.__version__,
+                     "cuda": str(torch.version.cuda), "torchvision": _version("torchvision"),
+                     "triton": _version("triton")},
+        "device": str(device),
+        "device_kind": (torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device)))
+        if device.type == "cuda" else device.type,
+        "model": dataclasses.asdict(pc.model) | {"init_from": None}, "channels": pc.data.channels,
+        "optimizer": pc.optimizer.name, "amp": pc.amp, "amp_dtype": pc.amp_dtype, "ema": pc.ema,
+        "bn_folded": pc.bn_folded, "share_grad16": pc.share_grad16, "pad_last_val": pc.pad_last_val,
+        "world_size": pc.world_size, "dist": pc.dist.mode,
+        "runtime": {k: val for k, val in dataclasses.asdict(pc.runtime).items() if k not in _RUNTIME_NOT_KEYED},
+        "variant": dataclasses.asdict(v), "options": sorted((str(k), repr(o)) for k, o in (options or {}).items()),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+
+
+class Store:
+    """Saved compiles kept for later runs, one file per key (``store_key``) in ``root``."""
+
+    def __init__(self, root: str | None = None):
+        self.root = root or store_dir()
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, f"{key}.forward")
+
+    def find(self, key: str) -> str | None:
+        """The file kept under ``key``, or None."""
+        p = self.path(key)
+        return p if os.path.isfile(p) else None
+
+    def put(self, src: str, key: str) -> str:
+        """Keep a copy of the file ``src`` under ``key`` (whole or not at all: a run that reads
+        it at the same time sees the old file or the new one)."""
+        os.makedirs(self.root, exist_ok=True)
+        dst = self.path(key)
+        tmp = f"{dst}.{os.getpid()}.tmp"
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        return dst
+
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s file (one that did not load: the next run compiles it again)."""
+        with contextlib.suppress(OSError):
+            os.remove(self.path(key))

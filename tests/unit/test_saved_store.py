@@ -1,0 +1,300 @@
+"""runtime.saved_store: the saved compiles kept for later runs of the same plan, under a key of
+everything their compiled code depends on (CPU: Inductor's C++ code)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
+from tr_hydra.runtime import precompile as pcm
+from tr_hydra.runtime import saved_compile
+from tests.helpers import small_config
+
+GiB = 2**30
+CPU = torch.device("cpu")
+
+
+def _rt(pc, **kw):
+    return dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, **kw))
+
+
+def _trainer(pc, path, logs=None):
+    from tr_hydra.runtime.runner import Trainer
+    return Trainer(pc, path, log=(logs.append if logs is not None else (lambda *_: None)), telemetry=False,
+                   source=False, launcher=False)
+
+
+def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monkeypatch):
+    pc = small_config(compile="inductor", lowres_epochs=1)
+    key = saved_compile.store_key(pc, "train_base", CPU)
+    assert len(key) == 32 and key == saved_compile.store_key(pc, "train_base", CPU)
+    # the same compiled code: another learning rate, schedule, seed, epoch count, logging,
+    # number of parallel compiles, cuDNN search; a sweep's next job finds it
+    same = [dataclasses.replace(pc, optimizer=OptimizerSpec(name="momentum", lr=0.4, weight_decay=0.0,
+                                                            schedule="cosine")),
+            dataclasses.replace(pc, seed=7, trainer=TrainerSpec(epochs=9, log_every=3, label_smoothing=0.1)),
+            _rt(pc, precompile=3, precompile_first=True, prime_cudnn=False, warmup_steps=5, autotune_flush="off"),
+            dataclasses.replace(pc, data=dataclasses.replace(pc.data, root="/elsewhere", augment=False))]
+    for other in same:
+        assert saved_compile.store_key(other, "train_base", CPU) == key, other
+    # other compiled code
+    differ = {"variant": (pc, "train_lowres", CPU),
+              "model": (dataclasses.replace(pc, model=dataclasses.replace(pc.model, width=32)), "train_base", CPU),
+              "classes": (dataclasses.replace(pc, model=dataclasses.replace(pc.model, num_classes=100)),
+                          "train_base", CPU),
+              "amp": (dataclasses.replace(pc, amp=True), "train_base", CPU),
+              "folded": (dataclasses.replace(pc, bn_folded=True), "train_base", CPU),
+              "optimizer": (dataclasses.replace(pc, optimizer=OptimizerSpec(name="adamw")), "train_base", CPU),
+              "layout": (_rt(pc, channels_last=False), "train_base", CPU),
+              "inductor": (_rt(pc, inductor_options=(("max_autotune", True),)), "train_base", CPU),
+              "stem": (_rt(pc, stem="conv"), "train_base", CPU),
+              "device": (pc, "train_base", torch.device("meta"))}
+    keys = {k: saved_compile.store_key(*a) for k, a in differ.items()}
+    assert all(k != key for k in keys.values()), keys
+    assert len(set(keys.values())) == len(keys)
+    assert saved_compile.store_key(pc, "train_base", CPU, {"max_autotune": True}) != key
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert saved_compile.store_key(pc, "train_base", CPU) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(saved_compile, "source_digest", lambda: "another tr_hydra")
+    assert saved_compile.store_key(pc, "train_base", CPU) != key
+
+
+def test_the_source_digest_changes_with_any_file_of_the_package(tmp_path, monkeypatch):
+    import tr_hydra
+    pkg = tmp_path / "tr_hydra"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "net.py").write_text("WIDTH = 16\n")
+    monkeypatch.setattr(tr_hydra, "__file__", str(pkg / "__init__.py"))
+    digests = []
+    for text in ("WIDTH = 16\n", "WIDTH = 32\n", "WIDTH = 16\n"):
+        (pkg / "models" / "net.py").write_text(text)
+        saved_compile.source_digest.cache_clear()
+        digests.append(saved_compile.source_digest())
+    monkeypatch.undo()
+    saved_compile.source_digest.cache_clear()
+    assert digests[0] != digests[1] and digests[0] == digests[2]
+    assert saved_compile.source_digest() != digests[0]  # the real package
+
+
+def test_the_store_keeps_a_whole_copy_and_forgets_it(tmp_path):
+    src = tmp_path / "child.forward"
+    src.write_bytes(b"compiled" * 1000)
+    store = saved_compile.Store(str(tmp_path / "store"))
+    assert store.find("k") is None
+    kept = store.put(str(src), "k")
+    assert store.find("k") == kept and open(kept, "rb").read() == src.read_bytes()
+    assert os.listdir(store.root) == ["k.forward"]  # no temporary file left
+    store.drop("k")
+    store.drop("k")  # twice: nothing to forget
+    assert store.find("k") is None
+
+
+def test_the_store_lies_in_inductors_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert saved_compile.Store().root == str(tmp_path / "cache" / "tr_hydra_saved")
+
+
+def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced_bits(tmp_path, monkeypatch):
+    """Run 1 loads its child's file, steps, and keeps it. Run 2 (another learning rate, seed and
+    epoch count: the same key) finds it, loads it instead of compiling, and ends a training step
+    with the same arena, bit for bit, as a trainer that compiles the variant through Dynamo."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    from tests.unit.test_saved_compile import _fill_inputs
+    pc1 = small_config(compile="inductor", train_size=80, val_size=40)
+    # as a child would: compiled whole and saved on the variant's first step
+    child = _trainer(pc1, tmp_path / "child")
+    child_file = str(tmp_path / "train_last.forward")
+    child.ex.recorder = saved_compile.Recorder({"train_last": child_file})
+    _fill_inputs(child, "train_last")
+    child.ex.train_step("train_last", "A")
+    assert os.path.exists(child_file) and not child.ex.recorder.errors
+
+    class Pre:  # the precompiler's hand-over: the file its done child wrote
+        def saved_forward(self, name):
+            return child_file if name == "train_last" else None
+
+    logs = []
+    run1 = _trainer(pc1, tmp_path / "run1", logs)
+    run1._find_stored(["train_base", "train_last", "val_base", "val_last"])
+    assert run1._stored == {} and run1._store is not None  # an empty store
+    run1._load_saved(Pre(), "train_last")
+    _fill_inputs(run1, "train_last")
+    run1.ex.train_step("train_last", "A")
+    run1._keep_saved(Pre())
+    assert run1.saved_stored == ["train_last"] and run1.saved_from_store == []
+    kept = saved_compile.Store().find(run1._store_key("train_last"))
+    assert kept is not None and open(kept, "rb").read() == open(child_file, "rb").read()
+
+    pc2 = dataclasses.replace(pc1, seed=3, optimizer=OptimizerSpec(name="momentum", lr=0.3, schedule="constant"),
+                              trainer=TrainerSpec(epochs=4))
+    arenas = {}
+    for mode in ("kept", "traced"):
+        logs = []
+        tr = _trainer(pc2, tmp_path / mode, logs)
+        if mode == "kept":
+            tr._find_stored(["train_base", "train_last", "val_base", "val_last"])
+            assert tr._stored == {"train_last": kept}
+            assert "runtime.saved_store: 1 of 4 variants' compiles kept by an earlier run (train_last): " \
+                   "loaded, not compiled" in logs, logs
+            tr._load_saved(None, "train_last")  # no parallel compiles at all
+            assert tr.saved_from_store == ["train_last"] and "train_last" in tr.saved_load_s
+        _fill_inputs(tr, "train_last")
+        tr.ex.train_step("train_last", "A")
+        if mode == "kept":
+            assert "train_last" in tr.ex.saved_forwards and tr.ex.saved_mismatch == {}
+            tr._keep_saved(None)
+            assert tr.saved_stored == []  # loaded from the store: nothing new to keep
+        arenas[mode] = tr.arena.arena.clone()
+    assert torch.equal(arenas["kept"], arenas["traced"])
+    # another width: another key, nothing found
+    tr = _trainer(dataclasses.replace(pc1, model=dataclasses.replace(pc1.model, width=8)), tmp_path / "w8")
+    tr._find_stored(["train_last"])
+    assert tr._stored == {}
+
+
+def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    logs = []
+    tr = _trainer(small_config(compile="inductor"), tmp_path / "run", logs)
+    store = saved_compile.Store()
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"not a pickle")
+    store.put(str(bad), tr._store_key("val_base"))
+    tr._find_stored(["train_base", "val_base"])
+    assert list(tr._stored) == ["val_base"]
+    tr._load_saved(None, "val_base")
+    assert tr.ex.saved_forwards == {} and tr.saved_from_store == [] and tr.saved_load_s == {}
+    assert store.find(tr._store_key("val_base")) is None  # the next run compiles it again
+    assert any(ln.startswith("  val_base: the saved compile kept by an earlier run did not load (")
+               and ln.endswith("compiling it here (and dropping that file)") for ln in logs), logs
+
+
+def test_a_kept_compile_made_for_another_input_is_not_called_and_is_dropped(tmp_path, monkeypatch):
+    """Were a key to miss a difference, the input's signature still catches it: the executor
+    steps with its ordinary forward, and the file is dropped."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    logs = []
+    tr = _trainer(small_config(), tmp_path / "run", logs)
+    tr._store = saved_compile.Store()
+    key = tr._store_key("train_base")
+    (tmp_path / "f").write_bytes(b"x")
+    tr._store.put(str(tmp_path / "f"), key)
+    calls = []
+    sig = saved_compile.Signature((2, 3, 16, 16), (768, 1, 48, 3), "torch.float32", "cpu", True, True, (False, ""))
+    tr.ex.saved_forwards["train_base"] = saved_compile.SavedForward(lambda m, x: calls.append(x), tr.model, sig,
+                                                                    "train_base")
+    tr.saved_load_s["train_base"] = 0.1
+    tr.saved_from_store.append("train_base")
+    x = torch.randn(32, 3, 16, 16)
+    assert tr.ex._forward_of("train_base", x) is tr.ex.forward_fn and calls == []
+    assert tr.ex.saved_mismatch == {"train_base": "shape (2, 3, 16, 16) (compiled) against (32, 3, 16, 16)"}
+    tr._keep_saved(None)
+    assert tr.saved_from_store == [] and tr.saved_load_s == {} and tr._store.find(key) is None
+    assert "  train_base: its saved compile was made for another input (shape (2, 3, 16, 16) (compiled) " \
+           "against (32, 3, 16, 16)); compiled here instead" in logs, logs
+
+
+class _Fake:
+    seen: dict = {}
+
+    def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
+        _Fake.seen = dict(order=order, n=n, twins=twins, saved=saved)
+
+
+def _capturing_trainer(tmp_path, monkeypatch, logs, **runtime):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pcm, "Precompiler", _Fake)
+    monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
+    pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), precompile=8, **runtime)
+    tr = _trainer(pc, tmp_path / f"run{len(logs)}", logs)
+    tr.inductor = True  # as on CUDA with runtime.compile=auto
+    return tr
+
+
+def _keep(tr, names):
+    tr.run_dir.mkdir(parents=True, exist_ok=True)
+    f = tr.run_dir / "f"
+    f.write_bytes(b"x")
+    for v in names:
+        saved_compile.Store().put(str(f), tr._store_key(v))
+
+
+def test_kept_variants_get_no_child_and_a_run_with_all_of_them_starts_none(tmp_path, monkeypatch):
+    logs = []
+    _Fake.seen = {}
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    _keep(tr, ["train_last"])
+    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
+    assert _Fake.seen["order"] == [("val_base", False)] and _Fake.seen["n"] == 1 and _Fake.seen["saved"] is True
+    assert "compiling 2 variants: train_base here, 1 in 1 parallel process" in logs, logs
+    assert list(tr._stored) == ["train_last"]
+    # all the variants after the first kept: no child, no precompiler
+    _Fake.seen = {}
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    _keep(tr, ["train_last", "val_base"])
+    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None and _Fake.seen == {}
+    assert list(tr._stored) == ["train_last", "val_base"]
+    # turned off: neither read nor written
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs, saved_store=False)
+    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
+    assert _Fake.seen["order"] == [("train_last", True), ("val_base", False)] and tr._stored == {}
+    assert tr._store is None
+    # with twins (precompile_backward) the saved compiles are not used: nor is the store
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_backward=True)
+    tr._precompiler(["train_base", "train_last"], ["val_base"])
+    assert _Fake.seen["order"] == [("train_last", True), ("val_base", False)] and tr._stored == {}
+
+
+def test_no_launcher_is_started_when_every_child_variant_is_kept(tmp_path, monkeypatch):
+    from tr_hydra.runtime.runner import Trainer
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: True)
+    started = []
+
+    class Launcher:
+        def __init__(self, log=None):
+            started.append(1)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(pcm, "Launcher", Launcher)
+    pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)
+    tr = Trainer(pc, tmp_path / "a", log=lambda *_: None, telemetry=False, source=False)
+    assert tr._launcher is not None and started == [1]  # nothing kept yet
+    _keep(tr, ["train_last", "val_base"])
+    tr = Trainer(pc, tmp_path / "b", log=lambda *_: None, telemetry=False, source=False)
+    assert tr._launcher is None and started == [1]
+    pc_first = _rt(pc, precompile_first=True)  # the first variant would go to a child too
+    tr = Trainer(pc_first, tmp_path / "c", log=lambda *_: None, telemetry=False, source=False)
+    assert tr._launcher is not None and started == [1, 1]
+
+
+def test_the_option_is_on_by_default_and_can_be_turned_off():
+    from tr_hydra.cli._common import compose
+    from tr_hydra.config.plan_config import plan_config_from
+    assert plan_config_from(compose([])).runtime.saved_store is True
+    assert plan_config_from(compose(["runtime.saved_store=false"])).runtime.saved_store is False
+
+
+def test_tr_bench_says_which_loads_came_from_the_store():
+    from tr_hydra.cli.bench import mix_table
+    r = {"img_per_sec": 8637.0, "first_step_of_all_variants_seconds": 9.8,
+         "step_ms_by_variant": {"train_base": 34.94, "train_last": 16.46},
+         "saved_load_seconds": {"train_last": 0.59, "val_base": 0.3}, "saved_from_store": ["train_last", "val_base"]}
+    mix = {"variants": {"train_base": {"batch": 256, "res": 224, "train": True},
+                        "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
+    line = next(ln for ln in mix_table(mix).splitlines() if "saved compile" in ln)
+    assert line.endswith("; 2 of them kept by an earlier run (runtime.saved_store), no child compiled them"), line
+    r["saved_from_store"] = []
+    assert "kept by an earlier run" not in mix_table(mix)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
