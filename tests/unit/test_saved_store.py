@@ -63,6 +63,43 @@ def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monk
     assert saved_compile.store_key(pc, "train_base", CPU) != key
 
 
+def test_the_models_digest_follows_its_structure_and_its_own_source(tmp_path, monkeypatch):
+    """A model registered from the user's own code: its file is in the key (tr_hydra's and
+    torchvision's models are covered by the source digest and the versions); built on the meta
+    device or the CPU, the same digest."""
+    import importlib
+    import sys
+    from tr_hydra.models import registry
+    from tr_hydra.models.registry import build_model
+    with torch.device("meta"):
+        r18, r18c = build_model("resnet18", 10), build_model("resnet18_cifar", 10)
+    assert saved_compile.model_digest(r18, "resnet18") != saved_compile.model_digest(r18c, "resnet18_cifar")
+    assert saved_compile.model_digest(r18, "resnet18") == saved_compile.model_digest(build_model("resnet18", 10),
+                                                                                     "resnet18")
+    mod = tmp_path / "user_net.py"
+    body = ("import torch.nn as nn\n"
+            "class Net(nn.Module):\n"
+            "    def __init__(self, num_classes, **_):\n"
+            "        super().__init__()\n"
+            "        self.fc = nn.Linear(4, num_classes)\n"
+            "    def forward(self, x):\n"
+            "        return self.fc(x){}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))
+    digests = []
+    for tail in ("", " * 2", ""):
+        mod.write_text(body.format(tail))
+        sys.modules.pop("user_net", None)
+        net = importlib.import_module("user_net")
+        registry.register_model("user_net")(net.Net)
+        digests.append(saved_compile.model_digest(build_model("user_net", 10), "user_net"))
+    sys.modules.pop("user_net", None)
+    assert digests[0] != digests[1] and digests[0] == digests[2]
+    pc = small_config()
+    assert saved_compile.store_key(pc, "train_base", CPU, model=digests[0]) != \
+        saved_compile.store_key(pc, "train_base", CPU, model=digests[1])
+
+
 def test_the_source_digest_changes_with_any_file_of_the_package(tmp_path, monkeypatch):
     import tr_hydra
     pkg = tmp_path / "tr_hydra"

@@ -18,6 +18,11 @@ def register_model(name: str):
     return deco
 
 
+def model_builder(name: str) -> Callable[..., nn.Module] | None:
+    """The function registered under ``name``, or None."""
+    return _MODELS.get(name)
+
+
 def model_names() -> list[str]:
     return sorted(_MODELS)
 

@@ -164,6 +164,7 @@ class Trainer:
             self.log(note)
         self._store = None  # saved_compile.Store (runtime.saved_store), set by _precompiler
         self._store_keys: dict[str, str] = {}  # per variant: its key there
+        self._model_digest: str | None = None  # saved_compile.model_digest of the model as built
         # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture)
         self._launcher = self._start_launcher() if launcher else None
         self.launcher_ready_s: float | None = None  # seconds from its start until it could fork
@@ -186,6 +187,11 @@ class Trainer:
             self.lr_scale = pc.batch_size * pc.world_size / pc.dist.base_batch
         torch.manual_seed(pc.seed)
         model = instantiate_model(pc, "cpu")
+        if self._store_wanted():  # the store's keys follow the model as built
+            from tr_hydra.runtime import saved_compile
+            digest = saved_compile.model_digest(model, pc.model.name)
+            if digest != self._model_digest:  # the launcher's look was at another build
+                self._model_digest, self._store_keys = digest, {}
         if pc.model.init_from:
             load_init(model, pc.model.init_from)
         model = model.to(self.device)
@@ -320,8 +326,15 @@ class Trainer:
             return None
         store = self._saved_store()
         if store is not None:  # an earlier run's saved compiles: no child may be needed at all
+            from tr_hydra.compiler.compile import instantiate_model
+            from tr_hydra.runtime import saved_compile
+            try:  # the model's digest, from a build on the meta device (40 ms for ResNet-50)
+                self._model_digest = saved_compile.model_digest(instantiate_model(self.pc, "meta"),
+                                                                self.pc.model.name)
+            except Exception:  # noqa: BLE001 - a model the meta device cannot build: start the launcher
+                self._model_digest = None
             names = [v.name for v in self.pc.variants][0 if self.pc.runtime.precompile_first else 1:]
-            if all(store.find(self._store_key(v)) for v in names):
+            if self._model_digest is not None and all(store.find(self._store_key(v)) for v in names):
                 return None
         try:
             return pcm.Launcher(log=self.log)
@@ -659,13 +672,20 @@ class Trainer:
         if kept:
             self.saved_from_store.append(v)
 
-    def _saved_store(self):
-        """``runtime.saved_store``: the ``saved_compile.Store`` this run reads and adds to, or None
-        (off, or the saved compiles themselves are not used; see ``_saved_wanted``)."""
+    def _store_wanted(self) -> bool:
+        """``runtime.saved_store`` is on and the saved compiles themselves are used (see
+        ``_saved_wanted``)."""
         from tr_hydra.runtime import saved_compile
         rt = self.pc.runtime
-        if (not rt.saved_store or not rt.precompile_saved or saved_compile.supported() or rt.dynamic_batch
-                or rt.recompute != "none" or rt.reuse_blocks or rt.backward_streams != 1 or rt.precompile_backward):
+        return bool(rt.saved_store and rt.precompile_saved and not saved_compile.supported()
+                    and not rt.dynamic_batch and rt.recompute == "none" and not rt.reuse_blocks
+                    and rt.backward_streams == 1 and not rt.precompile_backward)
+
+    def _saved_store(self):
+        """The ``saved_compile.Store`` this run reads and adds to (``runtime.saved_store``), or
+        None."""
+        from tr_hydra.runtime import saved_compile
+        if not self._store_wanted():
             return None
         try:
             return saved_compile.Store()
@@ -677,7 +697,8 @@ class Trainer:
         from tr_hydra.runtime import saved_compile
         if v not in self._store_keys:
             self._store_keys[v] = saved_compile.store_key(self.pc, v, self.device,
-                                                          dict(self.pc.runtime.inductor_options))
+                                                          dict(self.pc.runtime.inductor_options),
+                                                          self._model_digest or "")
         return self._store_keys[v]
 
     def _find_stored(self, names: list[str]) -> None:

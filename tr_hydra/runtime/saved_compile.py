@@ -244,6 +244,30 @@ def source_digest() -> str:
     return h.hexdigest()[:20]
 
 
+# packages whose code the key covers already: by their versions, and tr_hydra by its source
+_KEYED_PACKAGES = ("torch", "torchvision", "tr_hydra")
+
+
+def model_digest(model: torch.nn.Module, name: str) -> str:
+    """A hash of the model as its builder made it (before tr_hydra's own changes, which the
+    runtime options in the key decide): its structure (``repr``), and the source files of its
+    module classes and of the builder registered as ``name`` that lie outside PyTorch,
+    torchvision and tr_hydra (a model registered from the user's own code)."""
+    from tr_hydra.models.registry import model_builder
+    h = hashlib.sha256(repr(model).encode())
+    files = set()
+    for obj in [type(m) for m in model.modules()] + [model_builder(name)]:
+        mod = sys.modules.get(getattr(obj, "__module__", None) or "")
+        path = getattr(mod, "__file__", None)
+        if path and mod.__name__.split(".")[0] not in _KEYED_PACKAGES:
+            files.add(os.path.abspath(path))
+    for path in sorted(files):
+        h.update(path.encode() + b"\0")
+        with contextlib.suppress(OSError), open(path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:20]
+
+
 def _version(module: str) -> str:
     try:
         return str(__import__(module).__version__)
@@ -251,9 +275,9 @@ def _version(module: str) -> str:
         return ""
 
 
-def store_key(pc, variant: str, device: torch.device, options: dict | None = None) -> str:
+def store_key(pc, variant: str, device: torch.device, options: dict | None = None, model: str = "") -> str:
     """The key of ``variant``'s saved compile: a hash of what its compiled code depends on. The
-    model (its spec and input channels), precision, the folded BatchNorm, the optimizer's name,
+    model (its spec, input channels and ``model``: its ``model_digest``), precision, the folded BatchNorm, the optimizer's name,
     the variant's batch, resolution and split, every runtime option that changes the compile,
     Inductor's options, the device, the versions of Python, PyTorch, torchvision and Triton,
     and tr_hydra's own source (``source_digest``). Not in it: learning rates and the rest of
@@ -268,7 +292,8 @@ def store_key(pc, variant: str, device: torch.device, options: dict | None = Non
         "device": str(device),
         "device_kind": (torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device)))
         if device.type == "cuda" else device.type,
-        "model": dataclasses.asdict(pc.model) | {"init_from": None}, "channels": pc.data.channels,
+        "model": dataclasses.asdict(pc.model) | {"init_from": None}, "model_digest": model,
+        "channels": pc.data.channels,
         "optimizer": pc.optimizer.name, "amp": pc.amp, "amp_dtype": pc.amp_dtype, "ema": pc.ema,
         "bn_folded": pc.bn_folded, "share_grad16": pc.share_grad16, "pad_last_val": pc.pad_last_val,
         "world_size": pc.world_size, "dist": pc.dist.mode,
