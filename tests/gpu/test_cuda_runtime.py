@@ -185,7 +185,8 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
                for n, r in s.items()), s
     assert sorted(tr.saved_load_s) == children, logs
-    assert sorted(tr.ex.saved_forwards) == children
+    # and its own first variant's compile, made whole here (runtime.saved_store)
+    assert sorted(tr.ex.saved_forwards) == sorted(children + ["train_base"])
     assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
     # the main process traced no model forward for them: only its own first variant's and the
     # loss's (a small graph, from the caches)
@@ -193,21 +194,26 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     assert all(work[n].get("compiled", 0) == 0 for n in children), work
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
     assert res.epochs[-1]["val"]["loss"] == res.epochs[-1]["val"]["loss"]
-    # runtime.saved_store (the default): the five were kept; a later run of the same plan with
-    # another learning rate loads them all, starts no child (nor a launcher) and trains
-    assert sorted(tr.saved_stored) == children and tr.saved_from_store == [], logs
+    # runtime.saved_store (the default): the five were kept, and the first variant, compiled
+    # whole here (cuDNN's search ran at the end of that compile); a later run of the same plan
+    # with another learning rate loads all six, starts no child (nor a launcher) and trains
+    assert sorted(tr.saved_stored) == sorted(children + ["train_base"]) and tr.saved_from_store == [], logs
+    assert list(tr.ex.recorder.compiled) == ["train_base"] and tr.cudnn_prime.in_first_compile, logs
     tr.close()
     pc2 = dataclasses.replace(pc, optimizer=dataclasses.replace(pc.optimizer, lr=pc.optimizer.lr * 2))
     logs2 = []
     tr2 = Trainer(pc2, tmp_path / "run2", log=logs2.append)
     assert tr2._launcher is None
     res2 = tr2.fit()
-    assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == children, logs2
-    assert sorted(tr2.saved_load_s) == children and tr2.saved_stored == [], logs2
-    assert any(line.startswith("runtime.saved_store: 5 of 6 variants' compiles kept by an earlier run")
+    every = sorted(children + ["train_base"])
+    assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == every, logs2
+    assert sorted(tr2.saved_load_s) == every and tr2.saved_stored == [], logs2
+    # loaded on a thread while cuDNN searched, before the warm-up (no compile to wait for)
+    assert sorted(tr2.saved_preloaded) == every and not tr2.cudnn_prime.in_first_compile, logs2
+    assert any(line.startswith("runtime.saved_store: 6 of 6 variants' compiles kept by an earlier run")
                for line in logs2), logs2
     work = tr2.graphs.warmup_work
-    assert all(work[n].get("compiled", 0) == 0 for n in children), work
+    assert all(work[n].get("compiled", 0) == 0 for n in every), work
     assert res2.epochs[-1]["train"]["loss"] == res2.epochs[-1]["train"]["loss"]
     assert res2.epochs[-1]["val"]["loss"] == res2.epochs[-1]["val"]["loss"]
 

@@ -326,6 +326,52 @@ def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypat
     job.close()
 
 
+def test_a_whole_compile_ends_the_search_ahead_as_dynamos_callback_does(monkeypatch):
+    """``aot_compile`` calls no compile-end callback: the recorder tells the job instead
+    (``compiled()``), which runs the main search once, on the owner thread only."""
+    import threading
+    torch._dynamo.reset()
+    runs = _slow_prime(monkeypatch, seconds=0.3)
+    main = []
+    job = cp.BeforeFirstRun([], torch.device("cpu"), None, lambda: main.append(threading.get_ident()) or
+                            cp.prime([], torch.device("cpu")))
+    other = threading.Thread(target=job.compiled)  # another thread's compile: not this job's
+    other.start()
+    other.join()
+    assert main == []
+    job.compiled()
+    job.compiled()
+    rep = job.close()
+    assert main == [threading.get_ident()] and len(runs) == 2 and rep.waited > 0.1 and rep.in_first_compile
+
+
+def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch, tmp_path):
+    """The first variant warmed up loads a compile kept by an earlier run: no compile comes
+    before its convolutions run, so the search is done before the warm-up. One compiled whole
+    here (``_own_whole``) always comes, even for a model whose forward Dynamo compiled before."""
+    import types
+    from tests.helpers import small_config
+    from tr_hydra.runtime import graphs, runner
+    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
+    monkeypatch.setattr(cp, "searches", lambda device: True)
+    monkeypatch.setattr(graphs, "capture_stream", lambda device: types.SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    tr = runner.Trainer(small_config(), run_dir=tmp_path / "a", log=lambda *_: None, telemetry=False, source=False)
+    tr.inductor = True
+    tr._stored = {"train_base": "kept.forward"}
+    assert tr._search_ahead("train_base") is None
+    job = tr._search_ahead("train_last")  # another first variant: compiled here through Dynamo
+    assert isinstance(job, cp.BeforeFirstRun)
+    job.close()
+    tr = runner.Trainer(small_config(), run_dir=tmp_path / "b", log=lambda *_: None, telemetry=False, source=False)
+    tr.inductor = True
+    assert tr._search_ahead("train_base") is None  # Dynamo may reuse the first trainer's forward
+    tr._own_whole = ["train_base"]
+    job = tr._search_ahead("train_base")
+    assert isinstance(job, cp.BeforeFirstRun)
+    job.close()
+
+
 def test_meta_runs_with_batchnorm_memoized_give_the_same_shapes_saved_bytes_and_convolutions():
     """MetaMemo (BatchNorm's meta kernels run once per distinct call) changes nothing the plan
     or the search uses: the activation bytes autograd saves, with and without recompute, the

@@ -194,6 +194,105 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
     assert tr._stored == {}
 
 
+def test_a_variant_compiled_whole_here_is_kept_and_the_next_run_loads_it_on_a_thread(tmp_path, monkeypatch):
+    """The training process compiles its own variant whole (no child involved), steps through
+    that compile, and keeps it after the capture; the next run loads it on a thread (as during
+    cuDNN's search) and steps. Both end with the same arena, bit for bit, as a trainer that
+    traces the variant through Dynamo."""
+    import threading
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    from tests.unit.test_saved_compile import _fill_inputs
+    pc1 = small_config(compile="inductor", train_size=80, val_size=40)
+    pc2 = dataclasses.replace(pc1, seed=5, optimizer=OptimizerSpec(name="momentum", lr=0.2, schedule="constant"))
+    arenas = {}
+    logs = []
+    own = _trainer(pc1, tmp_path / "own", logs)
+    own._find_stored(["train_base", "train_last"])
+    assert own._stored == {}
+    own._own_whole = ["train_last"]
+    told = []
+
+    class Job:  # the search ahead, waiting for the end of the first compile
+        def compiled(self):
+            told.append(dict(own.ex.saved_forwards))
+
+    own._ahead_job = Job()
+    own.ex.recorder = saved_compile.Recorder({"train_last": None}, own.ex.compile_options,
+                                             on_compiled=own._whole_compiled)
+    _fill_inputs(own, "train_last")
+    own.ex.train_step("train_last", "A")
+    # told once, after the compile and before its code ran (the step had not used it yet)
+    assert told == [{}] and not own.ex.recorder.errors
+    assert isinstance(own.ex.saved_forwards["train_last"], saved_compile.SavedForward)
+    own._keep_saved(None)
+    assert own.saved_stored == ["train_last"] and own.saved_store_write_s > 0
+    assert list(own.whole_compile_s()) == ["train_last"] and own.whole_compile_s()["train_last"] > 0
+    kept = saved_compile.Store().find(own._store_key("train_last"))
+    assert kept is not None and os.path.getsize(kept) > 0
+    assert not [f for f in os.listdir(os.path.dirname(kept)) if f.endswith(".tmp")]
+    arenas["own"] = own.arena.arena.clone()
+
+    threads = []
+    real_load = saved_compile.load
+
+    def load(path, model, name=""):
+        threads.append(threading.get_ident())
+        return real_load(path, model, name)
+    monkeypatch.setattr(saved_compile, "load", load)
+    logs = []
+    nxt = _trainer(pc2, tmp_path / "next", logs)
+    nxt._find_stored(["train_base", "train_last"])
+    assert nxt._stored == {"train_last": kept}
+    with nxt._preloading():
+        pass
+    assert threads and threads[0] != threading.get_ident() and list(nxt._preloaded) == ["train_last"]
+    nxt._load_saved(None, "train_last")
+    assert nxt.saved_preloaded == ["train_last"] and nxt.saved_from_store == ["train_last"]
+    assert nxt.saved_load_s["train_last"] > 0 and len(threads) == 1  # not loaded a second time
+    _fill_inputs(nxt, "train_last")
+    nxt.ex.train_step("train_last", "A")
+    assert nxt.ex.saved_mismatch == {}
+    nxt._keep_saved(None)
+    assert nxt.saved_stored == []
+    arenas["kept"] = nxt.arena.arena.clone()
+
+    traced = _trainer(pc1, tmp_path / "traced")
+    _fill_inputs(traced, "train_last")
+    traced.ex.train_step("train_last", "A")
+    arenas["traced"] = traced.arena.arena.clone()
+    # the optimizers' learning rates differ between pc1 and pc2: compare each with its own
+    # trainer's traced twin (pc1's here); the forward and backward compile is one
+    assert torch.equal(arenas["own"], arenas["traced"])
+    traced2 = _trainer(pc2, tmp_path / "traced2")
+    _fill_inputs(traced2, "train_last")
+    traced2.ex.train_step("train_last", "A")
+    assert torch.equal(arenas["kept"], traced2.arena.arena)
+
+
+def test_the_training_process_compiles_whole_what_no_child_takes(tmp_path, monkeypatch):
+    logs = []
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    tr._precompiler(["train_base", "train_last"], ["val_base"])
+    assert tr._own_whole == ["train_base"]  # the children take the others
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    _keep(tr, ["train_last", "val_base"])
+    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
+    assert tr._own_whole == ["train_base"]
+    _keep(tr, ["train_base"])
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
+    assert tr._own_whole == [] and list(tr._stored) == ["train_base", "train_last", "val_base"]
+    # no parallel compiles: every variant not kept is compiled here
+    tr = _capturing_trainer(tmp_path / "none", monkeypatch, logs, precompile=0)
+    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
+    assert tr._own_whole == ["train_base", "train_last", "val_base"]
+    # no store: compiled as before (through Dynamo, lazily)
+    for off in ({"saved_store": False}, {"precompile_saved": False}, {"precompile_backward": True}):
+        tr = _capturing_trainer(tmp_path / "off", monkeypatch, logs, **off)
+        tr._precompiler(["train_base", "train_last"], ["val_base"])
+        assert tr._own_whole == [], off
+
+
 def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     logs = []
@@ -209,6 +308,18 @@ def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path
     assert store.find(tr._store_key("val_base")) is None  # the next run compiles it again
     assert any(ln.startswith("  val_base: the saved compile kept by an earlier run did not load (")
                and ln.endswith("compiling it here (and dropping that file)") for ln in logs), logs
+    # loaded on a thread during cuDNN's search: the same, when the variant warms up
+    store.put(str(bad), tr._store_key("val_base"))
+    logs.clear()
+    tr._find_stored(["train_base", "val_base"])
+    with tr._preloading():
+        pass
+    assert isinstance(tr._preloaded["val_base"][0], Exception)
+    tr._load_saved(None, "val_base")
+    assert tr.ex.saved_forwards == {} and tr.saved_preloaded == [] and tr._preloaded == {}
+    assert store.find(tr._store_key("val_base")) is None
+    assert any(ln.startswith("  val_base: the saved compile kept by an earlier run did not load (")
+               for ln in logs), logs
 
 
 def test_a_kept_compile_made_for_another_input_is_not_called_and_is_dropped(tmp_path, monkeypatch):
@@ -248,7 +359,7 @@ def _capturing_trainer(tmp_path, monkeypatch, logs, **runtime):
     monkeypatch.setattr(pcm, "Precompiler", _Fake)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
-    pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), precompile=8, **runtime)
+    pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), **{"precompile": 8, **runtime})
     tr = _trainer(pc, tmp_path / f"run{len(logs)}", logs)
     tr.inductor = True  # as on CUDA with runtime.compile=auto
     return tr
@@ -329,6 +440,12 @@ def test_tr_bench_says_which_loads_came_from_the_store():
                         "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
     line = next(ln for ln in mix_table(mix).splitlines() if "saved compile" in ln)
     assert line.endswith("; 2 of them kept by an earlier run (runtime.saved_store), no child compiled them"), line
+    r["saved_preloaded"] = ["train_last", "val_base"]
+    line = next(ln for ln in mix_table(mix).splitlines() if "saved compile" in ln)
+    assert line.endswith("no child compiled them; 2 loaded on a thread during cuDNN's search"), line
+    r["whole_compile_seconds"] = {"train_base": 41.27}
+    assert "tr: compiled whole here, to be kept (runtime.saved_store): train_base 41.3s" \
+        in mix_table(mix).splitlines()
     r["saved_from_store"] = []
     assert "kept by an earlier run" not in mix_table(mix)
 

@@ -412,8 +412,14 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # runtime.precompile_saved: per variant, seconds to load the compile its child saved
             "saved_load_seconds": {v: round(t, 3) for v, t in tr.saved_load_s.items()},
             # runtime.saved_store: those of them kept by an earlier run (no child compiled them),
-            # and the children's compiles this run kept for the next
-            "saved_from_store": list(tr.saved_from_store), "saved_stored": list(tr.saved_stored),
+            # those of these loaded on a thread during cuDNN's search, and the compiles this run
+            # kept for the next (the children's, and those compiled whole here: written in
+            # saved_store_write_seconds, after the capture)
+            "saved_from_store": list(tr.saved_from_store), "saved_preloaded": list(tr.saved_preloaded),
+            "saved_stored": list(tr.saved_stored), "saved_store_write_seconds": round(tr.saved_store_write_s, 3),
+            # the variants this process compiled whole itself (runtime.saved_store), seconds each:
+            # Inductor's cache counters (compile_work_by_variant) do not count such compiles
+            "whole_compile_seconds": tr.whole_compile_s(),
             "trainer_log": lines}
 
 
@@ -630,10 +636,15 @@ def mix_table(mix: dict) -> str:
                          f"in {sum(loads.values()):.1f}s "
                          f"(runtime.precompile_saved): " + ", ".join(f"{v} {t:.2f}s" for v, t in loads.items())
                          + (f"; {len(kept)} of them kept by an earlier run (runtime.saved_store), "
-                            f"no child compiled them" if kept else ""))
+                            f"no child compiled them" if kept else "")
+                         + (f"; {len(r['saved_preloaded'])} loaded on a thread during cuDNN's search"
+                            if r.get("saved_preloaded") else ""))
         line = _compile_work_line(r.get("compile_work_by_variant"))
         if line:
             lines.append(f"{m}: {line}")
+        if r.get("whole_compile_seconds"):
+            lines.append(f"{m}: compiled whole here, to be kept (runtime.saved_store): "
+                         + ", ".join(f"{v} {t:.1f}s" for v, t in r["whole_compile_seconds"].items()))
     return "\n".join(lines)
 
 

@@ -32,7 +32,14 @@ empty driver cache, 3.9 s with a full one and 35.6 s with the cache off). The dr
 it compiled on disk (``~/.nv/ComputeCache``), where every process of the user finds it, also
 while they run. So each parallel compile process runs a share of the main process's search on a
 thread beside its compile (``ShareBeforeRun``): the main process's search then finds most
-kernels compiled (11.5 s alone, 4.2-4.5 s with five processes sharing the work)."""
+kernels compiled (11.5 s alone, 4.2-4.5 s with five processes sharing the work).
+
+A first variant compiled whole (``aot_compile``, for ``runtime.saved_store``) calls no
+compile-end callback: its recorder calls ``BeforeFirstRun.compiled()`` instead. One loaded from
+the store compiles nothing, so the search is done on the calling thread before the warm-up.
+Splitting the search ahead over several threads does not shorten it: cuDNN's loading is serial
+in the process (H200, ResNet-50's 207 convolutions in a fresh process: 17.4 s on one thread,
+15.3-15.7 s on 2 to 16)."""
 from __future__ import annotations
 
 import contextlib
@@ -345,6 +352,11 @@ class BeforeFirstRun:
         self._thread = threading.Thread(target=ahead, name="tr_hydra-cudnn-ahead", daemon=True)
         self._cb = self._reg(self._on_compile_end)
         self._thread.start()
+
+    def compiled(self) -> None:
+        """A compile Dynamo's callbacks do not hear of (a whole compile, ``aot_compile``) ended
+        on this thread, before its code first runs: the same as Dynamo's compile-end callback."""
+        self._on_compile_end()
 
     def _on_compile_end(self, *_args) -> None:
         if self._done or threading.get_ident() != self._owner:  # another thread's compile

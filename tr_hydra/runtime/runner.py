@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,15 @@ class Trainer:
         self.saved_from_store: list[str] = []
         self._stored: dict[str, str] = {}  # per variant: the file kept there, found at the capture
         self.saved_stored: list[str] = []  # the variants whose saved compile this run kept there
+        # runtime.saved_store: the variants this process compiles itself, whole, to keep them
+        # (set by _precompiler), and the seconds spent writing them into the store
+        self._own_whole: list[str] = []
+        self.saved_store_write_s = 0.0
+        self._ahead_job = None  # the search ahead of the first compile, while it runs
+        # per variant kept in the store: its compile loaded on a thread during cuDNN's search
+        # (the SavedForward, or what loading raised), and the seconds it took there
+        self._preloaded: dict[str, tuple[object, float]] = {}
+        self.saved_preloaded: list[str] = []  # the variants whose kept compile loaded that way
         self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
                                compile_loss=forward is not model)
         self.feeder = Feeder(self.ex)
@@ -425,17 +435,26 @@ class Trainer:
             # cuDNN's search while the children compile; with Inductor, started on a thread
             # while this process compiles its first variant and finished here before that
             # variant's compiled code runs (see cudnn_prime.BeforeFirstRun)
-            ahead = self._search_ahead()
+            first = (train_v + val_v)[0]
+            if self._own_whole:  # runtime.saved_store: compiled whole here, to be kept
+                from tr_hydra.runtime.saved_compile import Recorder
+                self.ex.recorder = Recorder({v: None for v in self._own_whole}, self.ex.compile_options,
+                                            on_compiled=self._whole_compiled)
+            ahead = self._ahead_job = self._search_ahead(first)
             if ahead is None and self.cudnn_prime is None:
                 with beat:
                     beat.now("searching cuDNN's algorithms (runtime.prime_cudnn)")
-                    self.prime_cudnn()
+                    # the compiles kept by an earlier run load on a thread meanwhile: the
+                    # search runs no compile and the loads no convolution
+                    with self._preloading():
+                        self.prime_cudnn()
 
             def settle() -> None:  # before the first capture, which must see no other thread's work
                 nonlocal ahead
                 beat.close()
                 if ahead is not None:
                     job, ahead = ahead, None
+                    self._ahead_job = None
                     self._settle_search_ahead(job)
             next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre,
                                                             loaded=lambda v: self._load_saved(pre, v))
@@ -447,11 +466,19 @@ class Trainer:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                                     next_variant=next_variant, before_capture=settle)
             self._keep_saved(pre)
+            own = [v for v in self.saved_stored if v in self._own_whole]
+            kept = (f"kept for later runs: {', '.join(self.saved_stored)}"
+                    + (f" ({', '.join(own)} compiled whole here, written in {self.saved_store_write_s:.1f}s)"
+                       if own else "") if self.saved_stored else "")
             if self.saved_load_s:
+                during = (f", {', '.join(self.saved_preloaded)} on a thread during cuDNN's search"
+                          if self.saved_preloaded else "")
                 self.log(f"loaded the saved compiles of {len(self.saved_load_s)} variants in "
                          f"{sum(self.saved_load_s.values()):.1f}s ("
-                         + ", ".join(f"{v} {s:.1f}s" for v, s in self.saved_load_s.items()) + ")"
-                         + (f"; kept for later runs: {', '.join(self.saved_stored)}" if self.saved_stored else ""))
+                         + ", ".join(f"{v} {s:.1f}s" for v, s in self.saved_load_s.items()) + during + ")"
+                         + (f"; {kept}" if kept else ""))
+            elif kept:
+                self.log(f"runtime.saved_store: {kept}")
             if waited:
                 self.twin_wait_s = sum(waited)
                 self.log(f"{train_v[0]}: waited {self.twin_wait_s:.1f}s for its backward's twin process")
@@ -466,6 +493,9 @@ class Trainer:
             free, _ = torch.cuda.mem_get_info(self.device)
             raise MemoryPlanError(capture_oom_message(self.compiled, free, str(self.device))) from None
         finally:
+            self._ahead_job = None
+            if self.ex.recorder is not None and self._own_whole:
+                self.ex.recorder.on_compiled = None
             if ahead is not None:  # the capture failed: its error is the one raised
                 try:
                     ahead.close()
@@ -550,20 +580,26 @@ class Trainer:
             self.log("runtime.prime_cudnn: no compile came in the warm-up; cuDNN searched inside the first steps")
         self._primed(rep)
 
-    def _search_ahead(self):
+    def _search_ahead(self, first: str | None = None):
         """With Inductor: ``cudnn_prime.BeforeFirstRun`` for every variant's convolutions, or None
-        (nothing to search, searched already, no compile-end callback in this PyTorch)."""
+        (nothing to search, searched already, no compile-end callback in this PyTorch, or no
+        compile before the first variant's convolutions run: ``first``, the variant warmed up
+        first, loads a compile kept by an earlier run)."""
         from tr_hydra.runtime import cudnn_prime
         from tr_hydra.runtime.graphs import capture_stream
         if self.cudnn_prime is not None or not self.inductor or not cudnn_prime.can_search_ahead():
             return None
-        # the main search waits for a compile: only where one is sure to come. Dynamo keeps a
-        # compiled forward per code object, guarded on the module's structure, so a later trainer
-        # of the same model in this process (a sweep's next job) may reuse it and compile nothing
-        code = getattr(type(self.model).forward, "__code__", None)
-        if code is None or code in _COMPILED_FORWARDS:
+        if first in self._stored:
             return None
-        _COMPILED_FORWARDS.add(code)
+        # the main search waits for a compile: only where one is sure to come. A whole compile
+        # of the first variant always comes (``_own_whole``: the recorder tells the job). Dynamo
+        # keeps a compiled forward per code object, guarded on the module's structure, so a later
+        # trainer of the same model in this process (a sweep's next job) may reuse it and compile nothing
+        if first not in self._own_whole:
+            code = getattr(type(self.model).forward, "__code__", None)
+            if code is None or code in _COMPILED_FORWARDS:
+                return None
+            _COMPILED_FORWARDS.add(code)
         calls = self._prime_calls()  # on the meta device, before Dynamo touches the model
         if calls is None:
             return None
@@ -605,6 +641,9 @@ class Trainer:
         every = [(v, True) for v in train_v] + [(v, False) for v in val_v]
         self._find_stored([v for v, _ in every])
         order = [(v, t) for v, t in (every if first else every[1:]) if v not in self._stored]
+        # runtime.saved_store: what this process compiles itself it compiles whole and keeps;
+        # narrowed below to its first variant when children take the others
+        self._own_whole = [v for v, _ in every if v not in self._stored] if self._store is not None else []
         if not order:  # nothing left for a child: every one loads from the store
             return None
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -621,6 +660,7 @@ class Trainer:
         here = f"{mine[0]} here, " if mine else ""
         twins = self._twins(mine + [v for v, t in order if t], n, free)
         saved = self._saved_wanted(bool(twins))
+        self._own_whole = mine if saved and self._store is not None else []
         self.log(f"compiling {len(every) - len(self._stored)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
                  + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
@@ -647,18 +687,63 @@ class Trainer:
             return False
         return True
 
+    def whole_compile_s(self) -> dict[str, float]:
+        """Per variant this process compiled whole itself (``_own_whole``), the seconds it took
+        (failed attempts included)."""
+        rec = self.ex.recorder
+        return {v: t for v, t in rec.seconds.items() if v in self._own_whole} if rec and self._own_whole else {}
+
+    def _whole_compiled(self) -> None:
+        """A variant this process compiles whole (``_own_whole``) is compiled, before its code
+        first runs: the search ahead's main search, if it waits for that (once)."""
+        if self._ahead_job is not None:
+            self._ahead_job.compiled()
+
+    @contextlib.contextmanager
+    def _preloading(self):
+        """While the body runs (cuDNN's search before the warm-up), the compiles kept by an
+        earlier run (``_stored``) load on a thread, into ``_preloaded``; joined at the end."""
+        from tr_hydra.runtime import saved_compile
+        todo = list(self._stored.items())
+        if not todo:
+            yield
+            return
+
+        def load_all():
+            for v, path in todo:
+                t = time.perf_counter()
+                try:
+                    f = saved_compile.load(path, self.model, v)
+                except Exception as e:  # noqa: BLE001 - reported where the variant warms up
+                    f = e
+                self._preloaded[v] = (f, time.perf_counter() - t)
+        th = threading.Thread(target=load_all, name="tr_hydra-load-saved", daemon=True)
+        th.start()
+        try:
+            yield
+        finally:
+            th.join()
+
     def _load_saved(self, pre, v: str) -> None:
         """Use ``v``'s saved compile, if its child wrote one or an earlier run kept one
-        (``runtime.saved_store``); one line if it does not load (the variant is then traced
-        here: its code found in the caches, or, for a kept file, compiled here; that file is
-        dropped from the store)."""
+        (``runtime.saved_store``; loaded already if ``_preloading`` did); one line if it does
+        not load (the variant is then traced here: its code found in the caches, or, for a
+        kept file, compiled here; that file is dropped from the store)."""
         kept = self._stored.get(v)
         path = kept or (pre.saved_forward(v) if pre is not None else None)
         if path is None:
             return
         t = time.perf_counter()
+        got = self._preloaded.pop(v, None) if kept else None
         try:
-            self.ex.load_saved_forward(v, path)
+            if got is None:
+                self.ex.load_saved_forward(v, path)
+            elif isinstance(got[0], BaseException):
+                raise got[0]
+            else:
+                self.ex.saved_forwards[v] = got[0]
+                t -= got[1]  # its load, on the thread
+                self.saved_preloaded.append(v)
         except Exception as e:  # noqa: BLE001 - the ordinary load still works
             why = f"{type(e).__name__}: {str(e)[:160]}"
             if kept:
@@ -713,16 +798,37 @@ class Trainer:
                      f"earlier run ({', '.join(self._stored)}): loaded, not compiled")
 
     def _keep_saved(self, pre) -> None:
-        """After a capture: keep each compile this run loaded from a child in the store, for the
-        next run (it loaded here and its graphs were captured); drop a kept one that was made
-        for another input than its variant's."""
+        """After a capture: keep in the store, for the next run, each compile this run loaded
+        from a child (it loaded here and its graphs were captured) and each this process
+        compiled whole itself (``_own_whole``: its graphs were captured); drop a kept one that
+        was made for another input than its variant's."""
         for v, why in self.ex.saved_mismatch.items():
             self.log(f"  {v}: its saved compile was made for another input ({why}); compiled here instead")
             self.saved_load_s.pop(v, None)
             if v in self.saved_from_store:
                 self.saved_from_store.remove(v)
                 self._store.drop(self._store_keys[v])
-        if self._store is None or pre is None:
+        if self._store is None:
+            return
+        rec = self.ex.recorder if self._own_whole else None
+        if rec is not None:
+            for v, why in rec.errors.items():
+                self.log(f"runtime.saved_store: {v} could not be compiled whole here ({why.splitlines()[0]}); "
+                         f"traced as usual, not kept")
+            t = time.perf_counter()
+            for v, f in rec.compiled.items():
+                if v in self.ex.saved_mismatch:
+                    continue
+                try:
+                    self._store.save(f, self._store_key(v))
+                except Exception as e:  # noqa: BLE001 - a full disk, a compile that does not serialize:
+                    # this run is not harmed, the next one compiles it
+                    why = getattr(e, "strerror", None) or f"{type(e).__name__}: {str(e)[:160]}"
+                    self.log(f"runtime.saved_store: {v}'s compile was not kept ({why})")
+                    continue
+                self.saved_stored.append(v)
+            self.saved_store_write_s = time.perf_counter() - t
+        if pre is None:
             return
         for v in self.saved_load_s:
             path = pre.saved_forward(v)

@@ -29,6 +29,10 @@ A file that loaded and stepped is kept for later runs (``runtime.saved_store``, 
 under a key of everything its compiled code depends on, in Inductor's cache directory. A later
 run of the same model, shapes, precision and runtime options (another learning rate, seed or
 number of epochs; a sweep's next job) loads it and starts no parallel compile for that variant.
+With the store, the training process compiles its own variants (its first one) whole as well
+(``Recorder`` with no path) and keeps them once their graphs are captured, so a later run loads
+every variant and compiles nothing (H200, ResNet-50's six variants warm: 17.8-18.9 s to the
+first steps against 21.2-24.0 s with the first one compiled from the caches; session af).
 """
 from __future__ import annotations
 
@@ -144,9 +148,13 @@ def save(f: SavedForward, path: str) -> int:
     data = AOTCompiledFunction.serialize(f.fn).serialized_data
     blob = pickle.dumps({"format": FORMAT, "torch": torch.__version__, "signature": f.signature, "fn": data})
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(blob)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(blob)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
     return len(blob)
 
 
@@ -165,35 +173,45 @@ def load(path: str, model: torch.nn.Module, name: str = "") -> SavedForward:
 
 
 class Recorder:
-    """In a parallel-compile child: compiles the forward of each variant named in ``paths``
-    whole on its first call and saves it there; the variant's steps then run through it."""
+    """Compiles the forward of each variant named in ``paths`` whole on its first call; the
+    variant's steps then run through it. In a parallel-compile child each is saved to its path
+    and loaded back; in the training process (a path of None: its own variants, for
+    ``runtime.saved_store``) it is used as compiled and kept in ``compiled``, to be saved into
+    the store once its graphs are captured (``Store.save``)."""
 
-    def __init__(self, paths: dict[str, str], options: dict | None = None, on_compiled=None):
+    def __init__(self, paths: dict[str, str | None], options: dict | None = None, on_compiled=None):
         """``on_compiled()``: called once a compile is done, before its code first runs (as
         Dynamo's compile-end callbacks are, which a whole compile does not call)."""
         self.paths = dict(paths)
         self.options = options
         self.on_compiled = on_compiled
-        self.seconds: dict[str, float] = {}  # per variant: compile and save
+        self.seconds: dict[str, float] = {}  # per variant: compile (and save)
         self.bytes: dict[str, int] = {}
         self.errors: dict[str, str] = {}
+        self.compiled: dict[str, SavedForward] = {}  # the variants compiled with no path
 
     def forward(self, variant: str, model: torch.nn.Module, x: torch.Tensor) -> SavedForward | None:
-        """The variant's forward compiled whole, saved, and loaded back from the file; None where
-        any of that failed (the error is kept: the step then compiles as usual, filling the
-        caches, and the training process traces the variant and finds its code there)."""
+        """The variant's forward compiled whole (saved, and loaded back from the file, where it
+        has a path); None where any of that failed (the error is kept: the step then compiles
+        as usual, filling the caches, and the training process traces the variant and finds
+        its code there)."""
         t = time.perf_counter()
         path = self.paths.pop(variant)
         try:
-            self.bytes[variant] = save(compile_forward(model, x, self.options, variant), path)
+            f = compile_forward(model, x, self.options, variant)
+            if path is None:
+                self.compiled[variant] = f
+                return f
+            self.bytes[variant] = save(f, path)
             # loaded back, as the training process will: what cannot be loaded is not left for
             # it (it would compile the variant again, its caches holding no ordinary compile);
             # the step here runs the loaded function
             f = load(path, model, variant)
         except Exception as e:  # noqa: BLE001 - any failure: the ordinary compile still works
             self.errors[variant] = f"{type(e).__name__}: {e}"[:300]
-            with contextlib.suppress(OSError):
-                os.remove(path)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
             return None
         finally:
             self.seconds[variant] = round(time.perf_counter() - t, 2)
@@ -330,6 +348,12 @@ class Store:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
         return dst
+
+    def save(self, f: SavedForward, key: str) -> int:
+        """Keep ``f`` (a whole compile made in this process) under ``key``; returns the bytes
+        written (whole or not at all, as ``put``)."""
+        os.makedirs(self.root, exist_ok=True)
+        return save(f, self.path(key))
 
     def drop(self, key: str) -> None:
         """Forget ``key``'s file (one that did not load: the next run compiles it again)."""
