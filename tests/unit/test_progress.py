@@ -184,7 +184,7 @@ def test_the_trainers_capture_reports_its_waits_until_the_graphs_are_captured(tm
     monkeypatch.setattr(graphs, "CudaGraphs", Graphs)
     names = [v.name for v in pc.variants]
     monkeypatch.setattr(tr, "_precompiler", lambda train_v, val_v, also: Children(names[1:]))
-    monkeypatch.setattr(tr, "_search_ahead", lambda: None)
+    monkeypatch.setattr(tr, "_search_ahead", lambda first=None: None)
     monkeypatch.setattr(tr, "prime_cudnn", lambda: (events.append(("search",)), time.sleep(0.25)))
     tr.cudnn_prime = None
     tr.capture()
