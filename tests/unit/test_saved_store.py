@@ -36,7 +36,8 @@ def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monk
     same = [dataclasses.replace(pc, optimizer=OptimizerSpec(name="momentum", lr=0.4, weight_decay=0.0,
                                                             schedule="cosine")),
             dataclasses.replace(pc, seed=7, trainer=TrainerSpec(epochs=9, log_every=3, label_smoothing=0.1)),
-            _rt(pc, precompile=3, precompile_first=True, prime_cudnn=False, warmup_steps=5, autotune_flush="off"),
+            _rt(pc, precompile=3, precompile_first=True, prime_cudnn=False, warmup_steps=5, autotune_flush="off",
+                saved_store_gb=0.5),
             dataclasses.replace(pc, data=dataclasses.replace(pc.data, root="/elsewhere", augment=False))]
     for other in same:
         assert saved_compile.store_key(other, "train_base", CPU) == key, other
@@ -427,8 +428,56 @@ def test_no_launcher_is_started_when_every_child_variant_is_kept(tmp_path, monke
 def test_the_option_is_on_by_default_and_can_be_turned_off():
     from tr_hydra.cli._common import compose
     from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.errors import ConfigError
     assert plan_config_from(compose([])).runtime.saved_store is True
     assert plan_config_from(compose(["runtime.saved_store=false"])).runtime.saved_store is False
+    assert plan_config_from(compose([])).runtime.saved_store_gb == 4.0
+    assert plan_config_from(compose(["runtime.saved_store_gb=0.5"])).runtime.saved_store_gb == 0.5
+    assert plan_config_from(compose(["runtime.saved_store_gb=null"])).runtime.saved_store_gb is None
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match=r"runtime.saved_store_gb: must be null \(no limit\) or a size in GB > 0"):
+            plan_config_from(compose([f"runtime.saved_store_gb={bad}"]))
+
+
+def test_the_store_is_trimmed_least_recently_used_first_never_this_runs(tmp_path):
+    store = saved_compile.Store(str(tmp_path / "store"))
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 1000)
+    for i, k in enumerate("abcde"):  # written in that order, a the oldest
+        p = store.put(str(src), k)
+        os.utime(p, (1000 + i, 1000 + i))
+    (tmp_path / "store" / "other.txt").write_bytes(b"y" * 5000)  # not a kept compile: never counted or dropped
+    store.touch(store.path("a"))  # a loaded by a later run: now the most recent
+    assert store.trim(10_000) == (0, 0)  # 5,000 bytes: under the limit
+    # to 3,000 bytes: b is dropped first, c is this run's (kept), then d; a and e stay
+    assert store.trim(3_000, keep=[store.path("c")]) == (2, 2000)
+    assert [k for k in "abcde" if store.find(k)] == ["a", "c", "e"]
+    assert (tmp_path / "store" / "other.txt").exists()
+    assert saved_compile.Store(str(tmp_path / "none")).trim(0) == (0, 0)  # no directory yet
+
+
+def test_a_run_trims_the_store_to_its_limit_after_keeping_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    logs = []
+    pc = _rt(small_config(compile="inductor"), saved_store_gb=2.5e-6)  # 2,500 bytes
+    tr = _trainer(pc, tmp_path / "run", logs)
+    tr._find_stored(["train_base", "train_last"])
+    store = tr._store
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 1000)
+    for i, k in enumerate(["old1", "old2", "old3"]):  # other plans' compiles, earlier runs
+        os.utime(store.put(str(src), k), (1000 + i, 1000 + i))
+    os.utime(store.put(str(src), tr._store_key("train_base")), (500, 500))  # this run's, older still
+    tr._trim_store()
+    assert store.find(tr._store_key("train_base")) and store.find("old3")
+    assert not store.find("old1") and not store.find("old2")
+    assert "runtime.saved_store: dropped the 2 least recently used kept compiles (0 MB) to hold the store " \
+           "under runtime.saved_store_gb=2.5e-06" in logs, logs
+    tr = _trainer(_rt(pc, saved_store_gb=None), tmp_path / "run2", logs)
+    tr._find_stored(["train_base"])
+    store.put(str(src), "old4")
+    tr._trim_store()  # no limit: nothing dropped
+    assert store.find("old3") and store.find("old4")
 
 
 def test_tr_bench_says_which_loads_came_from_the_store():

@@ -98,6 +98,7 @@ class RuntimeSpec:
     precompile_backward: bool = False
     precompile_saved: bool = True
     saved_store: bool = True  # keep the saved compiles for later runs of the same plan (see saved_compile.Store)
+    saved_store_gb: float | None = 4.0  # the store trimmed to this size, least recently used first (None: never)
     precompile_start: str = "auto"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this
@@ -381,6 +382,9 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(sc is None or sc == "auto" or (isinstance(sc, int) and not isinstance(sc, bool) and 1 <= sc <= 64),
            "runtime.stem_channels",
            f"must be auto, null or a channel multiple from 1 to 64 (e.g. 8 or 16), got {sc!r}")
+    gb = runtime.saved_store_gb
+    _check(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
+           "runtime.saved_store_gb", f"must be null (no limit) or a size in GB > 0, got {gb!r}")
     lim = runtime.cudnn_benchmark_limit
     _check(lim is None or (isinstance(lim, int) and not isinstance(lim, bool) and lim >= 0),
            "runtime.cudnn_benchmark_limit", f"must be null or a count >= 0 (0: every algorithm), got {lim!r}")

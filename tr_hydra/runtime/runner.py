@@ -466,6 +466,7 @@ class Trainer:
                 self.graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                                     next_variant=next_variant, before_capture=settle)
             self._keep_saved(pre)
+            self._trim_store()
             own = [v for v in self.saved_stored if v in self._own_whole]
             kept = (f"kept for later runs: {', '.join(self.saved_stored)}"
                     + (f" ({', '.join(own)} compiled whole here, written in {self.saved_store_write_s:.1f}s)"
@@ -755,6 +756,7 @@ class Trainer:
             return
         self.saved_load_s[v] = time.perf_counter() - t
         if kept:
+            self._store.touch(kept)  # used now: the last one trim drops
             self.saved_from_store.append(v)
 
     def _store_wanted(self) -> bool:
@@ -840,6 +842,18 @@ class Trainer:
                 self.log(f"runtime.saved_store: {v}'s saved compile was not kept ({e.strerror or e})")
                 continue
             self.saved_stored.append(v)
+
+    def _trim_store(self) -> None:
+        """``runtime.saved_store_gb``: the store trimmed to that size, the least recently used
+        compiles dropped first, never this run's; one line if any were."""
+        gb = self.pc.runtime.saved_store_gb
+        if self._store is None or gb is None:
+            return
+        mine = [self._store.path(k) for k in self._store_keys.values()]
+        n, freed = self._store.trim(int(gb * 1e9), keep=mine)
+        if n:
+            self.log(f"runtime.saved_store: dropped the {n} least recently used kept compile{'s' if n > 1 else ''} "
+                     f"({freed / 1e6:,.0f} MB) to hold the store under runtime.saved_store_gb={gb:g}")
 
     def _twins(self, candidates: list[str], workers: int, free: int) -> list[str]:
         """The training variants whose backward a twin process compiles

@@ -231,7 +231,8 @@ STORE_DIR = "tr_hydra_saved"  # under Inductor's cache directory
 # how many parallel compiles run, cuDNN's search, the warm-up's length (everything else in the
 # runtime section is in the key)
 _RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "precompile_first", "precompile_start",
-                      "precompile_saved", "saved_store", "prime_cudnn", "autotune_flush", "cudnn_benchmark_limit")
+                      "precompile_saved", "saved_store", "saved_store_gb", "prime_cudnn", "autotune_flush",
+                      "cudnn_benchmark_limit")
 
 
 def store_dir() -> str:
@@ -354,6 +355,40 @@ class Store:
         written (whole or not at all, as ``put``)."""
         os.makedirs(self.root, exist_ok=True)
         return save(f, self.path(key))
+
+    def touch(self, path: str) -> None:
+        """Mark the kept file ``path`` as used now (a run loaded it): ``trim`` drops it last."""
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def trim(self, max_bytes: int, keep=()) -> tuple[int, int]:
+        """Drop the least recently used files (written, or loaded: ``touch``) until the store
+        holds at most ``max_bytes``, never those in ``keep`` (this run's); returns how many
+        files and bytes were dropped. A run that found a dropped file before it went and cannot
+        load it compiles that variant instead."""
+        keep = {os.path.abspath(p) for p in keep}
+        files = []
+        with contextlib.suppress(OSError), os.scandir(self.root) as it:
+            for e in it:
+                if e.name.endswith(".forward") and e.is_file():
+                    with contextlib.suppress(OSError):
+                        st = e.stat()
+                        files.append((st.st_mtime, st.st_size, e.path))
+        total = sum(size for _, size, _ in files)
+        dropped = freed = 0
+        for _, size, path in sorted(files):
+            if total <= max_bytes:
+                break
+            if os.path.abspath(path) in keep:
+                continue
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+            total -= size
+            dropped += 1
+            freed += size
+        return dropped, freed
 
     def drop(self, key: str) -> None:
         """Forget ``key``'s file (one that did not load: the next run compiles it again)."""
