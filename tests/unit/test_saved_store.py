@@ -453,6 +453,13 @@ def test_the_store_is_trimmed_least_recently_used_first_never_this_runs(tmp_path
     assert store.trim(3_000, keep=[store.path("c")]) == (2, 2000)
     assert [k for k in "abcde" if store.find(k)] == ["a", "c", "e"]
     assert (tmp_path / "store" / "other.txt").exists()
+    # a write that a killed process left half done: removed once an hour old, not before
+    old_tmp, new_tmp = tmp_path / "store" / "x.forward.123.tmp", tmp_path / "store" / "y.forward.456.tmp"
+    old_tmp.write_bytes(b"z")
+    new_tmp.write_bytes(b"z")
+    os.utime(old_tmp, (1000, 1000))
+    store.trim(10_000)
+    assert not old_tmp.exists() and new_tmp.exists()
     assert saved_compile.Store(str(tmp_path / "none")).trim(0) == (0, 0)  # no directory yet
 
 

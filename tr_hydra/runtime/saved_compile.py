@@ -227,6 +227,7 @@ class Recorder:
 
 # ---------------------------------------------------------------- the store (runtime.saved_store)
 STORE_DIR = "tr_hydra_saved"  # under Inductor's cache directory
+STALE_TMP_S = 3600  # a temporary file this old in the store is a killed write's: trim removes it
 # RuntimeSpec fields that do not change what the model's forward compiles to: when, where and
 # how many parallel compiles run, cuDNN's search, the warm-up's length (everything else in the
 # runtime section is in the key)
@@ -368,12 +369,15 @@ class Store:
         load it compiles that variant instead."""
         keep = {os.path.abspath(p) for p in keep}
         files = []
+        stale = time.time() - STALE_TMP_S
         with contextlib.suppress(OSError), os.scandir(self.root) as it:
             for e in it:
-                if e.name.endswith(".forward") and e.is_file():
-                    with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):
+                    if e.name.endswith(".forward") and e.is_file():
                         st = e.stat()
                         files.append((st.st_mtime, st.st_size, e.path))
+                    elif e.name.endswith(".tmp") and e.is_file() and e.stat().st_mtime < stale:
+                        os.remove(e.path)  # a write that a killed process left half done
         total = sum(size for _, size, _ in files)
         dropped = freed = 0
         for _, size, path in sorted(files):
