@@ -163,31 +163,40 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     assert any("warming up train_base" in logs[i] for i in still), logs
 
 
-def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_path, monkeypatch):
+@pytest.mark.parametrize("own", ["auto", "first"])
+def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_path, monkeypatch, own):
     """runtime.precompile_saved (the default): each child compiles its variant's forward and
     backward whole and saves them; the main process loads each file instead of tracing the
-    variant, and trains as before."""
+    variant, and trains as before. With runtime.precompile_own=auto (the default) the main
+    process compiles a validation variant itself and a child the first training variant;
+    with ``first`` the main process compiles the first training variant."""
     import dataclasses
     from tr_hydra.runtime import saved_compile
     torch._dynamo.reset()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
                       val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5))
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_own=own))
     assert pc.runtime.precompile_saved and saved_compile.supported() == ""
     logs = []
     tr = Trainer(pc, tmp_path / "run", log=logs.append)
     res = tr.fit()
     s = tr.precompile_summary
-    children = ["train_last", "train_lowres", "train_lowres_last", "val_base", "val_last"]
+    mine = "val_base" if own == "auto" else "train_base"
+    children = sorted(set(["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base",
+                           "val_last"]) - {mine})
+    assert any(line.startswith(f"compiling 6 variants: {mine} here, 5 in 5 parallel processes")
+               for line in logs), logs
     assert sorted(s) == children and all(r["ok"] for r in s.values()), (s, logs)
     # every child compiled its variant whole and saved it; the main process loaded all five
     assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
                for n, r in s.items()), s
     assert sorted(tr.saved_load_s) == children, logs
-    # and its own first variant's compile, made whole here (runtime.saved_store)
-    assert sorted(tr.ex.saved_forwards) == sorted(children + ["train_base"])
+    # and its own variant's compile, made whole here (runtime.saved_store)
+    assert sorted(tr.ex.saved_forwards) == sorted(children + [mine])
     assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
+    # its own variant warmed up first, its compile ending with cuDNN's search
+    assert next(iter(tr.graphs.warmup_seconds)) == mine, tr.graphs.warmup_seconds
     # the main process traced no model forward for them: only its own first variant's and the
     # loss's (a small graph, from the caches)
     work = tr.graphs.warmup_work
@@ -197,15 +206,15 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     # runtime.saved_store (the default): the five were kept, and the first variant, compiled
     # whole here (cuDNN's search ran at the end of that compile); a later run of the same plan
     # with another learning rate loads all six, starts no child (nor a launcher) and trains
-    assert sorted(tr.saved_stored) == sorted(children + ["train_base"]) and tr.saved_from_store == [], logs
-    assert list(tr.ex.recorder.compiled) == ["train_base"] and tr.cudnn_prime.in_first_compile, logs
+    assert sorted(tr.saved_stored) == sorted(children + [mine]) and tr.saved_from_store == [], logs
+    assert list(tr.ex.recorder.compiled) == [mine] and tr.cudnn_prime.in_first_compile, logs
     tr.close()
     pc2 = dataclasses.replace(pc, optimizer=dataclasses.replace(pc.optimizer, lr=pc.optimizer.lr * 2))
     logs2 = []
     tr2 = Trainer(pc2, tmp_path / "run2", log=logs2.append)
     assert tr2._launcher is None
     res2 = tr2.fit()
-    every = sorted(children + ["train_base"])
+    every = sorted(children + [mine])
     assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == every, logs2
     assert sorted(tr2.saved_load_s) == every and tr2.saved_stored == [], logs2
     # loaded on a thread while cuDNN searched, before the warm-up (no compile to wait for)

@@ -123,6 +123,62 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
         assert seen["saved"] is False  # runtime.precompile_saved is not used with twins
 
 
+def test_the_training_process_compiles_a_validation_variant_while_each_other_has_a_child(tmp_path, monkeypatch):
+    """runtime.precompile_own=auto: where every other variant gets a child of its own, the
+    training process compiles a validation variant (a forward only) and a child takes the
+    first training variant; it warms that variant up first. Otherwise, and with ``first``, it
+    compiles the first variant as before."""
+    import dataclasses
+    import torch
+    from tr_hydra.runtime.runner import Trainer, warm_up_order
+    seen = {}
+
+    class Fake:
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
+            seen.update(order=order, n=n, twins=twins)
+
+    monkeypatch.setattr(pcm, "Precompiler", Fake)
+    monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
+    assert plan_config_from(compose([])).runtime.precompile_own == "auto"
+    assert plan_config_from(compose(["runtime.precompile_own=first"])).runtime.precompile_own == "first"
+    train, val = ["train_base", "train_last"], ["val_base", "val_last"]
+    cases = [  # runtime overrides, validation variants -> (own, the children's order)
+        (dict(precompile=8), val, ("val_base", [("train_base", True), ("train_last", True), ("val_last", False)])),
+        (dict(precompile=8, precompile_own="first"), val,
+         ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])),
+        # two children for three variants: the training process takes queued work as it is, so
+        # it keeps the first (a training compile it would otherwise wait for)
+        (dict(precompile=2), val, ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])),
+        (dict(precompile=8), [], ("train_base", [("train_last", True)])),  # no validation variant
+        # backward twins pair with training variants: the first stays here, with its twin
+        (dict(precompile=8, precompile_backward=True), val,
+         ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])),
+        (dict(precompile=8, precompile_first=True), val,  # every variant in a child: none here
+         (None, [("train_base", True), ("train_last", True), ("val_base", False), ("val_last", False)])),
+    ]
+    for i, (rt, val_v, (own, order)) in enumerate(cases):
+        pc = small_config(train_size=200, batch=32, val_size=80, val_batch=32)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, **rt))
+        logs = []
+        tr = Trainer(pc, tmp_path / str(i), log=logs.append, telemetry=False, source=False)
+        tr.inductor = True  # as on CUDA with runtime.compile=auto
+        seen.clear()
+        assert isinstance(tr._precompiler(train, val_v), Fake), rt
+        assert tr._own_first == own and seen["order"] == order, (rt, tr._own_first, seen)
+        here = f"{own} here, " if own else ""
+        assert any(ln.startswith(f"compiling {len(train) + len(val_v)} variants: {here}{len(order)} in ")
+                   for ln in logs), logs
+
+    class Pre:  # every child done already: without ``own`` the first name would go first
+        def next_ready(self, names):
+            return names[0]
+    shared = {v: v for v in train + val}
+    assert warm_up_order(shared, Pre(), "val_base")(train + val) == "val_base"
+    assert warm_up_order(shared, Pre(), "val_base")(train + ["val_last"]) == "train_base"  # done: the rest
+    assert warm_up_order(shared, Pre())(train + val) == "train_base"
+
+
 def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():
     """The main process only looks at the children between its own compiles; a child's time is
     when it finished, from its own report, with its phases (building the trainer, the step)."""

@@ -274,7 +274,11 @@ def test_the_training_process_compiles_whole_what_no_child_takes(tmp_path, monke
     logs = []
     tr = _capturing_trainer(tmp_path, monkeypatch, logs)
     tr._precompiler(["train_base", "train_last"], ["val_base"])
-    assert tr._own_whole == ["train_base"]  # the children take the others
+    # runtime.precompile_own=auto: the validation variant here, the children take the others
+    assert tr._own_whole == ["val_base"] and tr._own_first == "val_base"
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_own="first")
+    tr._precompiler(["train_base", "train_last"], ["val_base"])
+    assert tr._own_whole == ["train_base"] and tr._own_first == "train_base"
     tr = _capturing_trainer(tmp_path, monkeypatch, logs)
     _keep(tr, ["train_last", "val_base"])
     assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
@@ -377,12 +381,16 @@ def _keep(tr, names):
 def test_kept_variants_get_no_child_and_a_run_with_all_of_them_starts_none(tmp_path, monkeypatch):
     logs = []
     _Fake.seen = {}
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_own="first")
     _keep(tr, ["train_last"])
     assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
     assert _Fake.seen["order"] == [("val_base", False)] and _Fake.seen["n"] == 1 and _Fake.seen["saved"] is True
     assert "compiling 2 variants: train_base here, 1 in 1 parallel process" in logs, logs
     assert list(tr._stored) == ["train_last"]
+    tr = _capturing_trainer(tmp_path, monkeypatch, logs)  # precompile_own=auto: the child takes train_base
+    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
+    assert _Fake.seen["order"] == [("train_base", True)] and _Fake.seen["n"] == 1
+    assert "compiling 2 variants: val_base here, 1 in 1 parallel process" in logs, logs
     # all the variants after the first kept: no child, no precompiler
     _Fake.seen = {}
     tr = _capturing_trainer(tmp_path, monkeypatch, logs)
@@ -392,7 +400,7 @@ def test_kept_variants_get_no_child_and_a_run_with_all_of_them_starts_none(tmp_p
     # turned off: neither read nor written
     tr = _capturing_trainer(tmp_path, monkeypatch, logs, saved_store=False)
     assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
-    assert _Fake.seen["order"] == [("train_last", True), ("val_base", False)] and tr._stored == {}
+    assert _Fake.seen["order"] == [("train_base", True), ("train_last", True)] and tr._stored == {}
     assert tr._store is None
     # with twins (precompile_backward) the saved compiles are not used: nor is the store
     tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_backward=True)

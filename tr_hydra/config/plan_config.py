@@ -99,6 +99,7 @@ class RuntimeSpec:
     precompile_saved: bool = True
     saved_store: bool = True  # keep the saved compiles for later runs of the same plan (see saved_compile.Store)
     saved_store_gb: float | None = 4.0  # the store trimmed to this size, least recently used first (None: never)
+    precompile_own: str = "auto"  # which variant the training process compiles itself beside the children
     precompile_start: str = "auto"
     stem: str = "auto"
     stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this

@@ -107,13 +107,16 @@ class TrainResult:
     final_path: str | None = None
 
 
-def warm_up_order(shared: dict[str, str], pre=None):
+def warm_up_order(shared: dict[str, str], pre=None, own: str | None = None):
     """The warm-up's choice of the next variant among those left (``names``): a variant that
     shares another's compiled graph (``shared``: ``Trainer.graph_of``) only after that one, so
-    Dynamo reuses the graph rather than compiling it again; among the rest, with parallel
-    compiles (``pre``), the first one ready, else the first."""
+    Dynamo reuses the graph rather than compiling it again; among the rest, ``own`` (the variant
+    this process compiles itself, whose compile ends with cuDNN's search) while it is left, then
+    with parallel compiles (``pre``) the first one ready, else the first."""
     def pick(names: list[str]) -> str:
         ok = [n for n in names if shared.get(n, n) == n or shared[n] not in names]
+        if own in ok:
+            return own
         return pre.next_ready(ok) if pre is not None else ok[0]
     return pick
 
@@ -304,6 +307,9 @@ class Trainer:
         self._own_whole: list[str] = []
         self.saved_store_write_s = 0.0
         self._ahead_job = None  # the search ahead of the first compile, while it runs
+        # with parallel compiles, the variant this process compiles itself (runtime.precompile_own;
+        # set by _precompiler) and warms up first, or None
+        self._own_first: str | None = None
         # per variant kept in the store: its compile loaded on a thread during cuDNN's search
         # (the SavedForward, or what loading raised), and the seconds it took there
         self._preloaded: dict[str, tuple[object, float]] = {}
@@ -435,7 +441,7 @@ class Trainer:
             # cuDNN's search while the children compile; with Inductor, started on a thread
             # while this process compiles its first variant and finished here before that
             # variant's compiled code runs (see cudnn_prime.BeforeFirstRun)
-            first = (train_v + val_v)[0]
+            first = self._own_first or (train_v + val_v)[0]
             if self._own_whole:  # runtime.saved_store: compiled whole here, to be kept
                 from tr_hydra.runtime.saved_compile import Recorder
                 self.ex.recorder = Recorder({v: None for v in self._own_whole}, self.ex.compile_options,
@@ -456,7 +462,7 @@ class Trainer:
                     job, ahead = ahead, None
                     self._ahead_job = None
                     self._settle_search_ahead(job)
-            next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre), pre,
+            next_variant, before_variant = warm_up_progress(beat, warm_up_order(shared, pre, self._own_first), pre,
                                                             loaded=lambda v: self._load_saved(pre, v))
             # this process's own first variant: its backward from its twin, once that is done
             twin = pre.twin_lock(train_v[0]) if pre is not None and train_v else None
@@ -636,6 +642,7 @@ class Trainer:
         autotuning results included, from the caches), or None."""
         from tr_hydra.runtime import precompile as pcm
         from tr_hydra.runtime.guards import HEADROOM
+        self._own_first = None
         if not self.inductor or not pcm.caches_enabled():
             return None
         first = self.pc.runtime.precompile_first
@@ -658,6 +665,12 @@ class Trainer:
                 self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
             return None
         mine = [] if first else [v for v, _ in every[:1] if v not in self._stored]
+        if mine and n >= len(order):  # every other variant compiles in a child of its own
+            own = self._own_variant(mine[0], [v for v, t in order if not t])
+            if own != mine[0]:  # the children take the first variant instead
+                order = [(mine[0], True)] + [(v, t) for v, t in order if v != own]
+                mine = [own]
+        self._own_first = mine[0] if mine else None
         here = f"{mine[0]} here, " if mine else ""
         twins = self._twins(mine + [v for v, t in order if t], n, free)
         saved = self._saved_wanted(bool(twins))
@@ -667,6 +680,18 @@ class Trainer:
                  + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
                                launcher=self._launcher, twins=tuple(twins), saved=saved)
+
+    def _own_variant(self, first: str, val_v: list[str]) -> str:
+        """``runtime.precompile_own``: the variant this process compiles itself while each other
+        variant compiles in a child of its own. ``auto``: the first of ``val_v`` (validation
+        variants a child would compile), whose compile, a forward only, ends well before a
+        training variant's, so the cuDNN search this process does after its compile (see
+        ``cudnn_prime.BeforeFirstRun``) no longer comes after the slowest compile; ``first``
+        (and with ``precompile_backward``, whose twins pair with training variants): ``first``."""
+        rt = self.pc.runtime
+        if rt.precompile_own != "auto" or rt.precompile_backward or not val_v:
+            return first
+        return val_v[0]
 
     def _saved_wanted(self, twins: bool) -> bool:
         """``runtime.precompile_saved``: whether the children save their variant's compile whole

@@ -231,7 +231,7 @@ STALE_TMP_S = 3600  # a temporary file this old in the store is a killed write's
 # RuntimeSpec fields that do not change what the model's forward compiles to: when, where and
 # how many parallel compiles run, cuDNN's search, the warm-up's length (everything else in the
 # runtime section is in the key)
-_RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "precompile_first", "precompile_start",
+_RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "precompile_first", "precompile_own", "precompile_start",
                       "precompile_saved", "saved_store", "saved_store_gb", "prime_cudnn", "autotune_flush",
                       "cudnn_benchmark_limit")
 
