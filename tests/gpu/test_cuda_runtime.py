@@ -163,13 +163,14 @@ def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
     assert any("warming up train_base" in logs[i] for i in still), logs
 
 
-@pytest.mark.parametrize("own", ["auto", "first"])
+@pytest.mark.parametrize("own", ["auto", "first", "validation"])
 def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_path, monkeypatch, own):
     """runtime.precompile_saved (the default): each child compiles its variant's forward and
     backward whole and saves them; the main process loads each file instead of tracing the
     variant, and trains as before. With runtime.precompile_own=auto (the default) the main
     process compiles a validation variant itself and a child the first training variant;
-    with ``first`` the main process compiles the first training variant."""
+    with ``first`` the main process compiles the first training variant; with ``validation``
+    both validation variants, one after the other, and a child each training variant."""
     import dataclasses
     from tr_hydra.runtime import saved_compile
     torch._dynamo.reset()
@@ -182,19 +183,21 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     tr = Trainer(pc, tmp_path / "run", log=logs.append)
     res = tr.fit()
     s = tr.precompile_summary
-    mine = "val_base" if own == "auto" else "train_base"
+    mines = {"auto": ["val_base"], "first": ["train_base"], "validation": ["val_base", "val_last"]}[own]
+    mine = mines[0]
     children = sorted(set(["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base",
-                           "val_last"]) - {mine})
-    assert any(line.startswith(f"compiling 6 variants: {mine} here, 5 in 5 parallel processes")
+                           "val_last"]) - set(mines))
+    k = len(children)
+    assert any(line.startswith(f"compiling 6 variants: {' and '.join(mines)} here, {k} in {k} parallel processes")
                for line in logs), logs
     assert sorted(s) == children and all(r["ok"] for r in s.values()), (s, logs)
     # every child compiled its variant whole and saved it; the main process loaded all five
     assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
                for n, r in s.items()), s
     assert sorted(tr.saved_load_s) == children, logs
-    # and its own variant's compile, made whole here (runtime.saved_store)
-    assert sorted(tr.ex.saved_forwards) == sorted(children + [mine])
-    assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
+    # and its own variants' compiles, made whole here (runtime.saved_store)
+    assert sorted(tr.ex.saved_forwards) == sorted(children + mines)
+    assert any(line.startswith(f"loaded the saved compiles of {k} variants") for line in logs), logs
     # its own variant warmed up first, its compile ending with cuDNN's search
     assert next(iter(tr.graphs.warmup_seconds)) == mine, tr.graphs.warmup_seconds
     # the main process traced no model forward for them: only its own first variant's and the
@@ -206,15 +209,17 @@ def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_pat
     # runtime.saved_store (the default): the five were kept, and the first variant, compiled
     # whole here (cuDNN's search ran at the end of that compile); a later run of the same plan
     # with another learning rate loads all six, starts no child (nor a launcher) and trains
-    assert sorted(tr.saved_stored) == sorted(children + [mine]) and tr.saved_from_store == [], logs
-    assert list(tr.ex.recorder.compiled) == [mine] and tr.cudnn_prime.in_first_compile, logs
+    assert sorted(tr.saved_stored) == sorted(children + mines) and tr.saved_from_store == [], logs
+    assert list(tr.ex.recorder.compiled) == mines and tr.cudnn_prime.in_first_compile, logs
+    if own == "validation":  # no validation child: no child shares cuDNN's search
+        assert all(r.get("cudnn_share") is None for r in s.values()), s
     tr.close()
     pc2 = dataclasses.replace(pc, optimizer=dataclasses.replace(pc.optimizer, lr=pc.optimizer.lr * 2))
     logs2 = []
     tr2 = Trainer(pc2, tmp_path / "run2", log=logs2.append)
     assert tr2._launcher is None
     res2 = tr2.fit()
-    every = sorted(children + [mine])
+    every = sorted(children + mines)
     assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == every, logs2
     assert sorted(tr2.saved_load_s) == every and tr2.saved_stored == [], logs2
     # loaded on a thread while cuDNN searched, before the warm-up (no compile to wait for)

@@ -53,6 +53,41 @@ def test_tr_plan_json(tmp_path):
         assert set(d) == {"id", "name", "region", "shape", "dtype", "offset", "slot_bytes"}
 
 
+_EARLY_PROBE = r"""
+import sys
+import tr_hydra.cli.train as train
+from tr_hydra.runtime import precompile as pcm
+real = pcm.start_early
+pcm.early_launcher_wanted = lambda *a, **k: True  # as on a GPU host: start one
+
+def probe(pc, **k):
+    torch_before = "torch" in sys.modules
+    started = real(pc, **k)
+    print(f"EARLY started={started} torch_before={torch_before} launcher_pid={pcm._EARLY.proc.pid}", flush=True)
+    return started
+pcm.start_early = probe
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher forks (Linux)")
+def test_tr_train_starts_the_launcher_before_it_imports_pytorch(tmp_path):
+    """tr-train starts the parallel compiles' launcher right after composing its config, before
+    it imports PyTorch, so that the launcher's imports overlap its own. On the CPU the trainer
+    then wants none and closes it; the run goes on as before."""
+    out = subprocess.run([sys.executable, "-c", _EARLY_PROBE, "model=resnet18_cifar", "data.train_size=48",
+                          "data.val_size=16", "variants.batch_size=16", "variants.val_batch_size=16",
+                          "variants.base_res=16", "variants.val_res=16", "trainer.epochs=1",
+                          f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("EARLY "))
+    assert "started=True torch_before=False" in line, line
+    pid = int(line.rsplit("=", 1)[1])
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    assert any(ln.startswith("done:") for ln in out.stdout.splitlines())
+
+
 def test_tr_train_writes_loadable_weights(tmp_path):
     out = run("tr-train", "model=resnet18_cifar", "data.train_size=48", "data.val_size=16",
               "variants.batch_size=16", "variants.val_batch_size=16", "variants.base_res=16",
@@ -337,6 +372,11 @@ def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path
     assert dirs[0] != dirs[1] and not any(os.path.exists(d) for d in dirs)
     for r in mix["modes"].values():
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
+    if sys.platform.startswith("linux"):  # the mode's process, from its start to its trainer's
+        before = mix["modes"]["tr"]["process_seconds_before_trainer"]
+        assert 0 < before < 300, before
+        assert f"{before + mix['modes']['tr']['first_step_of_all_variants_seconds']:.1f}s since the process started" \
+            in out.stdout
     assert out.stdout.count("in a process of its own, with empty caches") == 2
     assert "cold (bench.cold)" in out.stdout
     assert "complete" not in mix  # the last write is the whole run's

@@ -52,7 +52,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("variants.batch_size=100000", "training set size"),
     ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
     ("runtime.precompile_start=fast", "expected one of [auto, spawn, fork]"),
-    ("runtime.precompile_own=val", "expected one of [auto, first]"),
+    ("runtime.precompile_own=val", "expected one of [auto, first, validation]"),
     ("runtime.maxpool=gathr", "expected one of [auto, gather, native]"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):

@@ -103,7 +103,8 @@ def test_precompile_first_sends_every_variant_to_a_child(tmp_path, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False,
+                     share_training=True):
             seen.update(order=order, n=n, launcher=launcher, twins=twins, saved=saved)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
@@ -134,17 +135,28 @@ def test_the_training_process_compiles_a_validation_variant_while_each_other_has
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
-            seen.update(order=order, n=n, twins=twins)
+        def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False,
+                     share_training=True):
+            seen.update(order=order, n=n, twins=twins, share_training=share_training)
 
     monkeypatch.setattr(pcm, "Precompiler", Fake)
     monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
     assert plan_config_from(compose([])).runtime.precompile_own == "auto"
     assert plan_config_from(compose(["runtime.precompile_own=first"])).runtime.precompile_own == "first"
+    assert plan_config_from(compose(["runtime.precompile_own=validation"])).runtime.precompile_own == "validation"
     train, val = ["train_base", "train_last"], ["val_base", "val_last"]
     cases = [  # runtime overrides, validation variants -> (own, the children's order)
         (dict(precompile=8), val, ("val_base", [("train_base", True), ("train_last", True), ("val_last", False)])),
+        # every validation variant here, one after another: a child for each training variant only
+        (dict(precompile=8, precompile_own="validation"), val,
+         ("val_base and val_last", [("train_base", True), ("train_last", True)])),
+        (dict(precompile=3, precompile_own="validation"), val,
+         ("val_base and val_last", [("train_base", True), ("train_last", True)])),
+        (dict(precompile=2, precompile_own="validation"), val,  # a child for each training variant is enough
+         ("val_base and val_last", [("train_base", True), ("train_last", True)])),
+        (dict(precompile=1, precompile_own="validation"), val,  # too few children: the first, as with auto
+         ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])),
         (dict(precompile=8, precompile_own="first"), val,
          ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])),
         # two children for three variants: the training process takes queued work as it is, so
@@ -165,10 +177,16 @@ def test_the_training_process_compiles_a_validation_variant_while_each_other_has
         tr.inductor = True  # as on CUDA with runtime.compile=auto
         seen.clear()
         assert isinstance(tr._precompiler(train, val_v), Fake), rt
-        assert tr._own_first == own and seen["order"] == order, (rt, tr._own_first, seen)
+        assert tr._own_first == (own.split(" and ")[0] if own else None) and seen["order"] == order, \
+            (rt, tr._own_first, seen)
+        assert seen["n"] == min(rt["precompile"], len(order)), (rt, seen)  # no more processes than children
+        # the training children share cuDNN's search only in a run without validation variants
+        assert seen["share_training"] == (not val_v)
         here = f"{own} here, " if own else ""
         assert any(ln.startswith(f"compiling {len(train) + len(val_v)} variants: {here}{len(order)} in ")
                    for ln in logs), logs
+        if own == "val_base and val_last":  # the training process's own variants, compiled whole and kept
+            assert tr._own_whole in ([], ["val_base", "val_last"])
 
     class Pre:  # every child done already: without ``own`` the first name would go first
         def next_ready(self, names):
@@ -501,6 +519,88 @@ def test_which_trainers_start_a_launcher(monkeypatch):
     assert not pcm.launcher_wanted(pc, "cuda", 16)           # no Inductor caches: nothing to warm
 
 
+def test_which_runs_start_a_launcher_before_importing_pytorch(monkeypatch):
+    """precompile.start_early: tr-train and a cold mix's own process start the launcher before
+    they import PyTorch where the trainer would start one: the same rules as launcher_wanted,
+    with the device told by the driver's node and CUDA_VISIBLE_DEVICES, Inductor's cache by its
+    variable, and TR_HYDRA_EARLY_LAUNCHER=off to leave it to the trainer."""
+    import dataclasses
+    monkeypatch.setattr(pcm, "fork_available", lambda: True)
+    base = small_config(train_size=200, batch=32, val_size=64, val_batch=32)
+
+    def rt(**kw):
+        return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, **kw))
+    pc = rt(compile="auto", device="auto")
+    assert pcm.early_launcher_wanted(pc, 16, environ={}, gpu=True)
+    assert pcm.early_launcher_wanted(rt(compile="auto", device="cuda"), 16, environ={}, gpu=True)
+    assert not pcm.early_launcher_wanted(pc, 16, environ={}, gpu=False)           # no GPU here
+    assert not pcm.early_launcher_wanted(rt(compile="auto", device="cpu"), 16, environ={}, gpu=True)
+    assert not pcm.early_launcher_wanted(pc, 16, environ={pcm.EARLY_ENV: "off"}, gpu=True)
+    assert pcm.early_launcher_wanted(pc, 16, environ={pcm.EARLY_ENV: "auto"}, gpu=True)
+    assert not pcm.early_launcher_wanted(pc, 16, environ={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}, gpu=True)
+    assert not pcm.early_launcher_wanted(pc, 2, environ={}, gpu=True)            # auto: no child on 2 cores
+    assert not pcm.early_launcher_wanted(rt(compile="none", device="auto"), 16, environ={}, gpu=True)
+    assert not pcm.early_launcher_wanted(rt(compile="auto", precompile_start="spawn"), 16, environ={}, gpu=True)
+    monkeypatch.setattr(pcm, "fork_available", lambda: False)
+    assert not pcm.early_launcher_wanted(pc, 16, environ={}, gpu=True)
+    # the GPU, without PyTorch
+    monkeypatch.setattr(pcm.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    assert pcm.gpu_visible({}) and pcm.gpu_visible({"CUDA_VISIBLE_DEVICES": "1"})
+    assert not pcm.gpu_visible({"CUDA_VISIBLE_DEVICES": ""}) and not pcm.gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"})
+    monkeypatch.setattr(pcm.os.path, "exists", lambda p: False)
+    assert not pcm.gpu_visible({})
+
+
+def test_a_run_that_has_imported_pytorch_starts_no_early_launcher(monkeypatch):
+    monkeypatch.setattr(pcm, "early_launcher_wanted", lambda *a, **k: True)
+    started = []
+    monkeypatch.setattr(pcm, "Launcher", lambda *a, **k: started.append(1))
+    pc = small_config(train_size=80, val_size=40)
+    assert not pcm.start_early(pc)  # PyTorch is imported in this process: no head start left to win
+    assert not started and pcm.take_early() is None
+
+
+@fork_only
+def test_a_trainer_takes_the_launcher_started_before_it_and_hears_what_it_said(monkeypatch, tmp_path):
+    """The launcher a command-line tool started early is the trainer's: no second one starts,
+    its head start is kept, and a line it said before (here: its import failed) reaches the
+    trainer's log. A trainer that wants none closes it."""
+    import tr_hydra.runtime.runner as rn
+    monkeypatch.setattr(pcm, "early_launcher_wanted", lambda *a, **k: True)
+    real = pcm.Launcher
+    made = []
+
+    def spy(*a, **k):
+        made.append(real(*a, **k) if a or k else real(preload=("tr_hydra_no_such_module",)))
+        return made[-1]
+    monkeypatch.setattr(pcm, "Launcher", spy)
+    pc = small_config(train_size=80, val_size=40)
+    try:
+        assert pcm.start_early(pc, before_torch=False)
+        early = made[0]
+        assert not early.wait_ready(timeout=60)  # failed, with no one to tell yet
+        monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: True)
+        logs = []
+        tr = rn.Trainer(pc, tmp_path / "a", log=logs.append, telemetry=False, source=False)
+        assert tr._launcher is early and len(made) == 1 and pcm.take_early() is None
+        assert tr.launcher_head_start_s is not None and tr.launcher_head_start_s > 0
+        assert any("the launcher failed" in ln and "tr_hydra_no_such_module" in ln for ln in logs), logs
+        tr.capture()  # on the CPU: nothing to compile in parallel, so it is closed
+        assert early.proc.poll() is not None
+
+        assert pcm.start_early(pc, before_torch=False)
+        early = made[-1]
+        monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: False)
+        tr = rn.Trainer(pc, tmp_path / "b", log=lambda *_: None, telemetry=False, source=False)
+        assert tr._launcher is None and tr.launcher_head_start_s is None
+        early.proc.wait(timeout=30)  # closed by the trainer that did not want it
+        assert pcm.take_early() is None
+    finally:
+        pcm.close_early()
+        for launcher in made:
+            launcher.close()
+
+
 def test_default_start_is_auto_and_spawn_and_fork_are_accepted():
     # (a bad value is refused in one line: test_config.test_bad_override_exits_nonzero_with_one_line)
     assert plan_config_from(compose([])).runtime.precompile_start == "auto"
@@ -684,3 +784,31 @@ def test_bench_line_shows_each_childs_share_of_the_search():
     assert "val_base 30.0s (step 20.0s, cuDNN share 40/41 in 12.4s)" in line
     assert "cuDNN share 0/41 in 0.0s (RuntimeError: no room)" in line
     assert "train_last 60.0s (step 50.0s)" in line
+
+
+def test_a_cold_mixs_own_process_for_tr_hydra_starts_the_launcher_before_importing_pytorch(monkeypatch):
+    """tr-bench's cold epoch mix runs each mode in a process of its own; tr_hydra's starts its
+    trainer's launcher right after composing the config (the bench's pid in the environment
+    marks such a process; reading it takes it, so it is read first). Other processes do not."""
+    import os
+    from tr_hydra.cli import bench
+
+    class Stop(Exception):
+        pass
+    calls = []
+
+    def spy(pc, **k):
+        calls.append(pc)
+        raise Stop
+    monkeypatch.setattr(pcm, "start_early", spy)
+    monkeypatch.setattr(pcm, "die_with_parent", lambda var: os.environ.pop(var, None) is not None)
+    mode = ["data=synthetic", "bench.modes=[]", "bench.epoch_mix=true", "bench.epoch_mix_modes=[tr]",
+            "bench.cold=false"]
+    monkeypatch.setenv(bench.COLD_PARENT_VAR, str(os.getppid()))
+    with pytest.raises(Stop):
+        bench.main(mode)
+    assert len(calls) == 1 and calls[0].data.name == "synthetic"
+    b = compose(mode).bench
+    assert bench._tr_mix_process(b, True) and not bench._tr_mix_process(b, False)
+    for other in (["bench.epoch_mix_modes=[eager]"], ["bench.modes=[eager]"], ["bench.cold=true"]):
+        assert not bench._tr_mix_process(compose(mode + other).bench, True), other

@@ -355,7 +355,8 @@ def test_a_kept_compile_made_for_another_input_is_not_called_and_is_dropped(tmp_
 class _Fake:
     seen: dict = {}
 
-    def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False):
+    def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False,
+                 share_training=True):
         _Fake.seen = dict(order=order, n=n, twins=twins, saved=saved)
 
 

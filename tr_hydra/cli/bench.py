@@ -13,8 +13,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from tr_hydra.cli._common import compose, user_errors
 
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
@@ -23,6 +21,7 @@ E2E_MODES = ("tr", "dali-compile", "dl-compile")
 
 
 def _sync(device):
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -52,6 +51,7 @@ def end_to_end(pc, b, device) -> dict:
     """tr_hydra, DALI + torch.compile and DataLoader + torch.compile on the JPEG folder
     ``bench.data``, same model, batch, resolution and precision; img/s over the rest of a first
     epoch after a warm-up and a second whole epoch."""
+    import torch
     from tr_hydra.bench import (e2e_dali_compile, e2e_dataloader_compile, e2e_tr, folder_config,
                                 make_jpegs)
     modes = _modes(b.modes, device, e2e=True)
@@ -126,6 +126,7 @@ class Mode:
     """One way of running the training step, built and warmed up, ready to be timed."""
 
     def __init__(self, name: str, pc, device, warmup: int, single_buffer: bool = False):
+        import torch
         from tr_hydra.bench import pytorch_runner
         self.name, self.pc, self.device = name, pc, device
         self.single_buffer = single_buffer
@@ -157,6 +158,7 @@ class Mode:
     def _memory(self, base: int) -> dict:
         """Where the peak comes from: what stays allocated between steps, and for tr_hydra the
         arena, the plan's prediction and the peak the warm-up had reached before the capture."""
+        import torch
         cuda = self.device.type == "cuda"
         out = {"allocated_between_steps_bytes": torch.cuda.memory_allocated(self.device) - base} if cuda else {}
         if self.trainer is not None:
@@ -341,13 +343,16 @@ def _variant_times(run_one, variants, repeat: int) -> dict:
 
 
 def _sync_all():
+    import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def mix_tr(pc, device, repeat: int) -> dict:
     """tr_hydra: build and capture every variant, then the whole schedule."""
+    from tr_hydra.runtime.progress import process_age_s
     from tr_hydra.runtime.runner import Trainer
+    before = process_age_s()  # this process's start (Python, imports, the config) until the trainer's
     t0 = time.perf_counter()
     lines: list[str] = []  # kept in the JSON: what the run would have printed (the compiles' reports)
     tr = Trainer(pc, "/tmp/tr_bench_mix", log=trainer_log(lines.append), telemetry=False)
@@ -407,6 +412,11 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # runtime.precompile_start=fork: seconds from the trainer's start until its launcher could
             # fork, or why it could not
             "launcher_ready_seconds": tr.launcher_ready_s, "launcher_error": tr.launcher_error,
+            # how long before the trainer its launcher started (precompile.start_early: before this
+            # process imported PyTorch), or None: with the trainer, or none
+            "launcher_head_start_seconds": tr.launcher_head_start_s,
+            # seconds from this process's start to the trainer's (not in the time to the first steps)
+            "process_seconds_before_trainer": before,
             # runtime.precompile_backward: how long the first variant's backward waited for its twin
             "twin_wait_seconds": tr.twin_wait_s,
             # runtime.precompile_saved: per variant, seconds to load the compile its child saved
@@ -451,6 +461,7 @@ def mix_pytorch(pc, device, mode: str, repeat: int) -> dict:
     """The same schedule in PyTorch: the torchvision model, channels_last, bf16 autocast, fused
     SGD; eager, or torch.compile(mode="reduce-overhead") with dynamic=False (a graph per shape)
     or its default automatic dynamic shapes. Training and validation are compiled separately."""
+    import torch
     import torch.nn.functional as F
     from tr_hydra.models.registry import build_model
     torch.backends.cudnn.benchmark = True
@@ -517,6 +528,7 @@ def epoch_mix(pc, device, modes=None, repeat: int = 5) -> dict:
     batches and validation at both batch sizes. For each mode: img/s over the whole schedule
     (training images over training and validation time), the time to the first step of every
     variant (compiles and captures included), and each variant's own ms/step."""
+    import torch
     modes = _mix_modes(modes, device)
     out = {"variants": {v.name: {"batch": v.batch, "res": v.res, "train": v.train} for v in pc.variants},
            "modes": {}}
@@ -621,9 +633,13 @@ def mix_table(mix: dict) -> str:
     for m, r in mix["modes"].items():
         parts = r.get("ready_seconds")
         if parts:
-            lines.append(f"{m}: first step of every variant after {r['first_step_of_all_variants_seconds']:.1f}s: "
+            before = r.get("process_seconds_before_trainer")
+            since = (f" ({before + r['first_step_of_all_variants_seconds']:.1f}s since the process started, "
+                     f"{before:.1f}s before the trainer)" if before is not None else "")
+            lines.append(f"{m}: first step of every variant after {r['first_step_of_all_variants_seconds']:.1f}s{since}: "
                          + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in parts.items()))
-        line = _precompile_line(r.get("precompile"), r.get("launcher_ready_seconds"), r.get("launcher_error"))
+        line = _precompile_line(r.get("precompile"), r.get("launcher_ready_seconds"), r.get("launcher_error"),
+                                r.get("launcher_head_start_seconds"))
         if line:
             lines.append(f"{m}: {line}")
         if r.get("twin_wait_seconds") is not None:
@@ -663,9 +679,11 @@ def _compile_work_line(work: dict | None) -> str:
     return "main process's graphs per variant: " + "; ".join(parts)
 
 
-def _precompile_line(summary: dict | None, launcher_ready: float | None, launcher_error: str | None = None) -> str:
+def _precompile_line(summary: dict | None, launcher_ready: float | None, launcher_error: str | None = None,
+                     head_start: float | None = None) -> str:
     """The parallel compiles: how each child started, and its time split (asked for, started,
-    imports, trainer, compile and step), from the precompiler's summary."""
+    imports, trainer, compile and step), from the precompiler's summary. ``head_start``: how
+    long before the trainer its launcher started."""
     if not summary:
         return ""
     starts = sorted({c.get("start", "spawn") for c in summary.values() if c.get("ok") is not None})
@@ -690,6 +708,8 @@ def _precompile_line(summary: dict | None, launcher_ready: float | None, launche
         head += f"; the launcher failed: {launcher_error}"
     elif launcher_ready is not None:
         head += f"; the launcher could fork after {launcher_ready:.1f}s"
+        if head_start:
+            head += f", started {head_start:.1f}s before the trainer"
     head += ")"
     return head + ": " + "; ".join(parts)
 
@@ -735,9 +755,18 @@ def table(records: list[dict]) -> str:
 COLD_PARENT_VAR = "TR_HYDRA_BENCH_COLD_PARENT"  # set for a cold mode's own process: the bench's pid
 
 
+def _tr_mix_process(b, cold_mode: bool) -> bool:
+    """Whether this process is a cold epoch mix's own process for tr_hydra (``cold_mode``:
+    ``bench.cold``'s ``epoch_mix_cold`` started it, one per mode), whose first trainer is
+    tr_hydra's."""
+    return (cold_mode and bool(b.epoch_mix) and not b.cold and not b.data
+            and not _as_list(b.modes) and _as_list(b.epoch_mix_modes) == ["tr"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if os.environ.get(COLD_PARENT_VAR):  # a cold mode's process ends with the bench that started it
+    cold_mode = bool(os.environ.get(COLD_PARENT_VAR))  # read before die_with_parent takes it
+    if cold_mode:  # a cold mode's process ends with the bench that started it
         from tr_hydra.runtime.precompile import die_with_parent
         if not die_with_parent(COLD_PARENT_VAR):
             print("tr-bench: the bench that started this cold mode has ended", file=sys.stderr)
@@ -746,11 +775,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     from tr_hydra.config.plan_config import plan_config_from
-    from tr_hydra.runtime.runner import pick_device
     with user_errors("tr-bench"):
         cfg = compose(argv)
         pc = plan_config_from(cfg)
         b = cfg.bench
+        if _tr_mix_process(b, cold_mode):  # its trainer's launcher imports PyTorch beside this process
+            from tr_hydra.runtime.precompile import start_early
+            start_early(pc)
+        import torch
+        from tr_hydra.runtime.runner import pick_device
         if b.cold and not b.epoch_mix:
             from tr_hydra.errors import ConfigError
             raise ConfigError("bench.cold: applies to the epoch mix; add bench.epoch_mix=true")
@@ -825,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         print(mix_table(out["epoch_mix"]))
     for line in settings_lines(pc, device.type):
         print(line)
-    if not os.environ.get(COLD_PARENT_VAR):  # after the timings; a cold mode's own process has its bench's
+    if not cold_mode:  # after the timings; a cold mode's own process has its bench's
         out["host"] = host_info(device)
         print(host_line(out["host"]))
     _write(out, b.out)
@@ -847,6 +880,7 @@ def python_loop_ms(n: int = 2_000_000, repeats: int = 3) -> float:
 def host_info(device) -> dict:
     """What the figures were measured on, beyond the device: the host's processor and cores,
     Python and its speed, PyTorch, and where this process keeps Python's bytecode."""
+    import torch
     import platform
     from tr_hydra import bytecode
     cpu = platform.processor() or platform.machine()

@@ -63,9 +63,11 @@ def run(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
     from tr_hydra.config.plan_config import plan_config_from
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.runtime.precompile import start_early
     with user_errors("tr-train"):
         pc = plan_config_from(cfg)
+        start_early(pc)  # the parallel compiles' launcher imports PyTorch beside this process
+        from tr_hydra.runtime.runner import Trainer
         run_dir = HydraConfig.get().runtime.output_dir
         say = _RunLog(run_dir)
         with say.errors():
@@ -114,7 +116,7 @@ def _expand_rerun(argv: list[str]) -> list[str]:
 
 def _rank_overrides() -> list[str]:
     """Under torchrun only rank 0 keeps a run dir; the others write nothing of their own."""
-    from tr_hydra.runtime.distributed import env_world
+    from tr_hydra.runtime.world import env_world
     w = env_world()
     if w is None or w[0] == 0:
         return []

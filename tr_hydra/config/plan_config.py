@@ -325,7 +325,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     if world_size is None:
         world_size = 1
         if dspec.mode == "ddp":
-            from tr_hydra.runtime.distributed import TORCHRUN_HINT, env_world
+            from tr_hydra.runtime.world import TORCHRUN_HINT, env_world
             w = env_world()
             if w is None:
                 raise ConfigError(f"dist=ddp: RANK/WORLD_SIZE are not set; {TORCHRUN_HINT}")

@@ -113,6 +113,7 @@ class PrecompileStart(enum.Enum):
 class PrecompileOwn(enum.Enum):
     auto = "auto"    # a validation variant, where every other variant has a child of its own
     first = "first"  # the first training variant
+    validation = "validation"  # every validation variant, one after another, and no validation child
 
 
 class PlanFormat(enum.Enum):
@@ -217,7 +218,7 @@ class RuntimeConfig:
     precompile_saved: bool = True    # each child saves its variant's compile whole; the training process loads it without tracing
     saved_store: bool = True         # the saved compiles kept in Inductor's cache directory; a later run of the same model, shapes and options loads them and compiles nothing for those variants
     saved_store_gb: Optional[float] = 4.0  # that store trimmed to this many GB after each run, least recently used compiles first (null: no limit)
-    precompile_own: PrecompileOwn = PrecompileOwn.auto  # the variant the training process compiles itself while children compile the others: auto (a validation one, the quickest: a forward only) | first
+    precompile_own: PrecompileOwn = PrecompileOwn.auto  # the variant the training process compiles itself while children compile the others: auto (a validation one, the quickest: a forward only) | first | validation (all of them)
     precompile_start: PrecompileStart = PrecompileStart.auto  # how a child starts: auto (fork on Linux, else spawn) | a fresh process | forked from a launcher that has imported PyTorch (Linux)
     stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
     stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)

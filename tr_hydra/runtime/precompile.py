@@ -19,6 +19,7 @@ default, is ``fork`` where it is available and ``spawn`` elsewhere.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -185,13 +186,15 @@ class Launcher:
     child asked of it, before or after, starts as a fresh process instead, at once: the training
     process need not look. ``error`` says why."""
 
-    def __init__(self, preload: tuple[str, ...] = LAUNCHER_PRELOAD, log=print,
+    def __init__(self, preload: tuple[str, ...] = LAUNCHER_PRELOAD, log=None,
                  ready_timeout: float = LAUNCHER_READY_TIMEOUT_S):
-        """``ready_timeout``: a launcher not ready by then is stopped and counts as failed."""
+        """``ready_timeout``: a launcher not ready by then is stopped and counts as failed.
+        ``log``: where it says so; None keeps its lines until ``adopt`` names one."""
         self._cond = threading.Condition()
         self._children: dict[int, _Forked] = {}
         self._token = 0
-        self.log = log
+        self._said: list[str] = []
+        self.log = self._said.append if log is None else log
         self.ready = False
         self.error = ""
         self.started = time.perf_counter()
@@ -279,6 +282,15 @@ class Launcher:
             return lines[-1][:200] if lines else ""
         except OSError:
             return ""
+
+    def adopt(self, log) -> None:
+        """Hand the launcher to the trainer that will use it: what it said before (one started
+        with no ``log``, see ``start_early``) and what it says from now on goes to ``log``."""
+        with self._cond:
+            said, self._said = self._said, []
+            self.log = log
+        for line in said:
+            log(line)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the launcher can fork (True) or has failed (False)."""
@@ -489,11 +501,12 @@ def _fork_child(req: dict) -> int:
             os._exit(rc)
 
 
-def launcher_wanted(pc, device_type: str, cpus: int) -> bool:
+def launcher_wanted(pc, device_type: str, cpus: int, caches: bool | None = None) -> bool:
     """Whether a trainer starts a ``Launcher`` as it begins: its capture will run parallel
     compiles (CUDA, captured graphs, Inductor, ``runtime.precompile`` wanting children for the
     variants) and they are to be forked. Free device memory, checked at the capture, may still
-    leave no room for a child; the launcher is then closed unused."""
+    leave no room for a child; the launcher is then closed unused. ``caches``: whether
+    Inductor's caches are on (``caches_enabled()`` where None)."""
     rt = pc.runtime
     if device_type != "cuda" or not rt.cuda_graph or rt.compile not in ("auto", "inductor"):
         return False
@@ -501,7 +514,67 @@ def launcher_wanted(pc, device_type: str, cpus: int) -> bool:
         return False
     if requested_workers(rt.precompile, len(pc.variants), pc.world_size, cpus, rt.precompile_first) == 0:
         return False
-    return caches_enabled()
+    return caches_enabled() if caches is None else caches
+
+
+EARLY_ENV = "TR_HYDRA_EARLY_LAUNCHER"  # "off": a trainer starts its launcher itself, as it begins
+_EARLY: Launcher | None = None  # started by a command-line tool before PyTorch's import
+
+
+def gpu_visible(environ=None) -> bool:
+    """Whether this host shows this process an NVIDIA GPU, told without importing PyTorch: the
+    driver's control node exists and ``CUDA_VISIBLE_DEVICES`` does not hide every device."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
+def early_launcher_wanted(pc, cpus: int, environ=None, gpu: bool | None = None) -> bool:
+    """Whether a command-line tool starts the launcher before it imports PyTorch
+    (``start_early``): ``launcher_wanted``, with the device and Inductor's cache told from the
+    config and the environment (``gpu``: ``gpu_visible()`` where None). The trainer checks
+    again with PyTorch and closes a launcher it does not want."""
+    environ = os.environ if environ is None else environ
+    if environ.get(EARLY_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    gpu = gpu_visible(environ) if gpu is None else gpu
+    device = "cuda" if pc.runtime.device != "cpu" and gpu else "cpu"
+    return launcher_wanted(pc, device, cpus, caches=environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE", "1") != "0")
+
+
+def start_early(pc, cpus: int | None = None, before_torch: bool = True) -> bool:
+    """Start the launcher of ``pc``'s trainer now, before this process imports PyTorch
+    (``before_torch``: only if it has not yet), so that the launcher's imports overlap this
+    process's own as well as the trainer's build, and the children fork as soon as they are
+    asked for (the trainer takes it: ``take_early``). Whether one started. It ends with this
+    process if no trainer takes it."""
+    global _EARLY
+    if _EARLY is not None or (before_torch and "torch" in sys.modules):
+        return False
+    cpus = cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    if not early_launcher_wanted(pc, cpus):
+        return False
+    try:
+        _EARLY = Launcher()
+    except OSError:  # the trainer tries again, and says why if it cannot either
+        return False
+    atexit.register(close_early)
+    return True
+
+
+def take_early() -> Launcher | None:
+    """The launcher ``start_early`` started, for the trainer to use or close; None if none."""
+    global _EARLY
+    launcher, _EARLY = _EARLY, None
+    return launcher
+
+
+def close_early() -> None:
+    launcher = take_early()
+    if launcher is not None:
+        launcher.close()
 
 
 def caches_enabled() -> bool:
@@ -535,7 +608,7 @@ class Precompiler:
 
     def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
                  also: dict[str, list[str]] | None = None, launcher: Launcher | None = None,
-                 twins: tuple[str, ...] = (), saved: bool = False):
+                 twins: tuple[str, ...] = (), saved: bool = False, share_training: bool = True):
         """``also``: for a variant, others of the same split that its child steps after it
         (``runtime.dynamic_batch``: they share its graph, or, where Dynamo's guards do not
         admit their batch size, compile their own in the child rather than here).
@@ -546,8 +619,11 @@ class Precompiler:
         the main process's own first one (``twin_lock`` gives its lock). The twins start first
         and are not counted in ``workers``. ``saved``: each child of one variant compiles its
         forward whole and saves it (``runtime.precompile_saved``, see ``saved_compile``), for
-        ``saved_forward`` to hand to the main process."""
+        ``saved_forward`` to hand to the main process. ``share_training``: where no child
+        compiles a validation variant, whether the training variants' children share the main
+        process's cuDNN search (see ``_sharers``)."""
         self.log = log
+        self.share_training = share_training
         self.device_index = device_index
         self.workers = workers
         self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
@@ -620,11 +696,12 @@ class Precompiler:
         """The children that run a share of the main process's cuDNN search beside their compile
         (see ``cudnn_prime``): the validation variants', whose compile (a forward only) ends in
         about half the time of a training variant's, so their share delays no variant; where
-        there are none, every child. (Measured with every child sharing, on the H200's cold
-        six-variant mix: the main process waited 3.3-4.0 s for the search instead of 15.9 s,
-        but the training children, the last to finish, took 5 s longer.)"""
+        there are none, every child (none without ``share_training``). (Measured with every
+        child sharing, on the H200's cold six-variant mix: the main process waited 3.3-4.0 s
+        for the search instead of 15.9 s, but the training children, the last to finish, took
+        5 s longer.)"""
         val = [c for c in self.children if not c.train]
-        return val or self.children
+        return val or (self.children if self.share_training else [])
 
     def _reap(self, c: _Child, block: bool) -> bool:
         if c.proc is None or c.ok is not None:

@@ -5,6 +5,7 @@ The thread only prints; it makes no CUDA call, so it can run beside a compile an
 before any capture."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -75,3 +76,17 @@ class Heartbeat:
             if line is not None:
                 self.lines += 1
                 self.log(line)
+
+
+def process_age_s(stat_path: str = "/proc/self/stat", uptime_path: str = "/proc/uptime") -> float | None:
+    """Seconds since this process started (Linux's ``/proc``: its start time in clock ticks after
+    boot, against the host's uptime; to 10 ms), or None where they cannot be read."""
+    try:
+        with open(stat_path) as f:
+            stat = f.read()
+        with open(uptime_path) as f:
+            up = float(f.read().split()[0])
+        start = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
+        return max(0.0, up - start / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -169,7 +169,9 @@ class Trainer:
         self._store = None  # saved_compile.Store (runtime.saved_store), set by _precompiler
         self._store_keys: dict[str, str] = {}  # per variant: its key there
         self._model_digest: str | None = None  # saved_compile.model_digest of the model as built
-        # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture)
+        # the parallel compiles' launcher imports PyTorch while this trainer is built (see capture);
+        # one a command-line tool started before it imported PyTorch is taken, or closed
+        self.launcher_head_start_s: float | None = None  # how long before this trainer it started
         self._launcher = self._start_launcher() if launcher else None
         self.launcher_ready_s: float | None = None  # seconds from its start until it could fork
         self.launcher_error = ""  # why it could not (its children then started as fresh processes)
@@ -331,7 +333,22 @@ class Trainer:
 
     def _start_launcher(self):
         """``runtime.precompile_start``: the launcher of the parallel compiles that ``capture``
-        will start, or None (no parallel compiles to come, or each a fresh process)."""
+        will start, or None (no parallel compiles to come, or each a fresh process). The one a
+        command-line tool started early (``precompile.start_early``) where there is one."""
+        from tr_hydra.runtime import precompile as pcm
+        t = time.perf_counter()
+        early = pcm.take_early()
+        launcher = None
+        try:
+            launcher = self._new_launcher(early)
+        finally:
+            if early is not None and launcher is not early:
+                early.close()
+        if launcher is not None and launcher is early:
+            self.launcher_head_start_s = max(0.0, t - early.started)
+        return launcher
+
+    def _new_launcher(self, early=None):
         from tr_hydra.runtime import precompile as pcm
         setting = self.pc.runtime.precompile_start
         if setting == "fork" and not pcm.fork_available():
@@ -352,6 +369,9 @@ class Trainer:
             names = [v.name for v in self.pc.variants][0 if self.pc.runtime.precompile_first else 1:]
             if self._model_digest is not None and all(store.find(self._store_key(v)) for v in names):
                 return None
+        if early is not None:
+            early.adopt(self.log)
+            return early
         try:
             return pcm.Launcher(log=self.log)
         except OSError as e:
@@ -665,33 +685,38 @@ class Trainer:
                 self.log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
             return None
         mine = [] if first else [v for v, _ in every[:1] if v not in self._stored]
-        if mine and n >= len(order):  # every other variant compiles in a child of its own
-            own = self._own_variant(mine[0], [v for v, t in order if not t])
-            if own != mine[0]:  # the children take the first variant instead
-                order = [(mine[0], True)] + [(v, t) for v, t in order if v != own]
-                mine = [own]
+        own = self._own_variants(mine[0], [v for v, t in order if not t]) if mine else mine
+        if own != mine:  # the children take the first variant instead, if each gets a child of its own
+            rest = [(mine[0], True)] + [(v, t) for v, t in order if v not in own]
+            if n >= len(rest):
+                order, mine, n = rest, own, len(rest)
         self._own_first = mine[0] if mine else None
-        here = f"{mine[0]} here, " if mine else ""
+        here = f"{' and '.join(mine)} here, " if mine else ""
         twins = self._twins(mine + [v for v, t in order if t], n, free)
         saved = self._saved_wanted(bool(twins))
         self._own_whole = mine if saved and self._store is not None else []
         self.log(f"compiling {len(every) - len(self._stored)} variants: {here}"
                  f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
-                 + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else ""))
+                 + (f"; the backward of {', '.join(twins)} in a twin process each" if twins else "")
+                 + (f"; their launcher started {self.launcher_head_start_s:.1f}s before the trainer"
+                    if self.launcher_head_start_s and self._launcher is not None else ""))
         return pcm.Precompiler(self.pc, order, n, log=self.log, device_index=self.device.index or 0, also=also,
-                               launcher=self._launcher, twins=tuple(twins), saved=saved)
+                               launcher=self._launcher, twins=tuple(twins), saved=saved,
+                               share_training=not val_v)  # a run without validation: training children share
 
-    def _own_variant(self, first: str, val_v: list[str]) -> str:
-        """``runtime.precompile_own``: the variant this process compiles itself while each other
-        variant compiles in a child of its own. ``auto``: the first of ``val_v`` (validation
-        variants a child would compile), whose compile, a forward only, ends well before a
-        training variant's, so the cuDNN search this process does after its compile (see
-        ``cudnn_prime.BeforeFirstRun``) no longer comes after the slowest compile; ``first``
-        (and with ``precompile_backward``, whose twins pair with training variants): ``first``."""
+    def _own_variants(self, first: str, val_v: list[str]) -> list[str]:
+        """``runtime.precompile_own``: the variants this process compiles itself, in that order,
+        while each other variant compiles in a child of its own. ``auto``: the first of ``val_v``
+        (validation variants a child would compile), whose compile, a forward only, ends well
+        before a training variant's, so the cuDNN search this process does after its compile
+        (see ``cudnn_prime.BeforeFirstRun``) no longer comes after the slowest compile;
+        ``validation``: all of ``val_v``, one after another, so that one process fewer compiles
+        beside the training variants' children; ``first`` (and with ``precompile_backward``,
+        whose twins pair with training variants): ``first``."""
         rt = self.pc.runtime
-        if rt.precompile_own != "auto" or rt.precompile_backward or not val_v:
-            return first
-        return val_v[0]
+        if rt.precompile_own not in ("auto", "validation") or rt.precompile_backward or not val_v:
+            return [first]
+        return list(val_v) if rt.precompile_own == "validation" else val_v[:1]
 
     def _saved_wanted(self, twins: bool) -> bool:
         """``runtime.precompile_saved``: whether the children save their variant's compile whole
