@@ -54,6 +54,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("runtime.precompile_start=fast", "expected one of [auto, spawn, fork]"),
     ("runtime.precompile_own=val", "expected one of [auto, first, validation]"),
     ("runtime.maxpool=gathr", "expected one of [auto, gather, native]"),
+    ("runtime.compile_gc=off", "expected one of [deferred, python]"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}

@@ -217,6 +217,8 @@ def test_a_child_is_timed_to_its_own_end_not_to_when_the_main_process_looks():
     assert s["trainer_s"] > 0 and s["step_s"] > 0
     assert s["import_s"] + s["trainer_s"] + s["step_s"] <= s["seconds"] + 0.1
     assert "done_at" not in s and isinstance(s["phases_s"], dict) and isinstance(s["timers_s"], dict)
+    # runtime.compile_gc: the collector's time during its compiles
+    assert set(s["gc"]) == {"seconds", "full", "full_seconds", "full_outside"}, s["gc"]
 
 
 def test_timers_name_every_phase_over_the_floor_longest_first(monkeypatch):

@@ -350,6 +350,7 @@ def _sync_all():
 
 def mix_tr(pc, device, repeat: int) -> dict:
     """tr_hydra: build and capture every variant, then the whole schedule."""
+    from tr_hydra.runtime import compile_gc
     from tr_hydra.runtime.progress import process_age_s
     from tr_hydra.runtime.runner import Trainer
     before = process_age_s()  # this process's start (Python, imports, the config) until the trainer's
@@ -430,6 +431,9 @@ def mix_tr(pc, device, repeat: int) -> dict:
             # the variants this process compiled whole itself (runtime.saved_store), seconds each:
             # Inductor's cache counters (compile_work_by_variant) do not count such compiles
             "whole_compile_seconds": tr.whole_compile_s(),
+            # runtime.compile_gc: seconds in Python's collector during this process's compiles,
+            # and its full collections then (children: in "precompile")
+            "compile_gc": tr.pc.runtime.compile_gc, "gc": compile_gc.report(),
             "trainer_log": lines}
 
 
@@ -661,6 +665,11 @@ def mix_table(mix: dict) -> str:
         if r.get("whole_compile_seconds"):
             lines.append(f"{m}: compiled whole here, to be kept (runtime.saved_store): "
                          + ", ".join(f"{v} {t:.1f}s" for v, t in r["whole_compile_seconds"].items()))
+        gcr = r.get("gc")
+        if gcr and r.get("compile_gc"):
+            lines.append(f"{m}: Python's collector took {gcr['seconds']:.1f}s during the main process's compiles, "
+                         f"{gcr['full']} full collections ({gcr['full_seconds']:.1f}s; runtime.compile_gc="
+                         f"{r['compile_gc']})")
     return "\n".join(lines)
 
 
@@ -698,6 +707,9 @@ def _precompile_line(summary: dict | None, launcher_ready: float | None, launche
         for v, t in (c.get("saved_s") or {}).items():  # runtime.precompile_saved: compiled whole, saved
             split.append(f"compiled whole and saved in {t:.1f}s" if v not in (c.get("saved_errors") or {})
                          else f"not saved ({c['saved_errors'][v][:80]})")
+        gcr = c.get("gc")
+        if gcr and gcr.get("seconds"):  # Python's collector during its compiles (runtime.compile_gc)
+            split.append(f"Python's collector {gcr['seconds']:.1f}s in its compiles, {gcr['full']} full")
         share = c.get("cudnn_share")
         if share:  # its share of the main process's cuDNN search, run beside its compile
             split.append(f"cuDNN share {share['calls']}/{share['of']} in {share['seconds']:.1f}s"
@@ -928,6 +940,9 @@ def settings_lines(pc, device_type: str) -> list[str]:
         who = "tr_hydra" if pc.runtime.maxpool == "gather" else "tr_hydra with Inductor"
         lines.append(f"{who} computes max pooling's backward as one gathering kernel "
                      f"(runtime.maxpool={pc.runtime.maxpool}); the PyTorch modes run the model's own")
+    if pc.runtime.compile_gc == "deferred" and pc.runtime.compile != "none":
+        lines.append("tr_hydra defers Python's full garbage collections while it compiles "
+                     "(runtime.compile_gc=deferred); the torch.compile modes run Python's collector as it is")
     return lines
 
 

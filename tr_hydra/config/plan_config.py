@@ -107,6 +107,7 @@ class RuntimeSpec:
     recompute: str = "none"
     prime_cudnn: bool = True
     autotune_flush: str = "fit"
+    compile_gc: str = "deferred"  # Python's full garbage collections deferred while the step compiles
     dynamic_batch: bool = False
     reuse_blocks: bool = False
     backward_streams: int = 1

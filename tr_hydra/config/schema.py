@@ -104,6 +104,11 @@ class AutotuneFlush(enum.Enum):
     full = "full"  # Inductor's own L2-sized buffer, wherever the step's memory stands
 
 
+class CompileGc(enum.Enum):
+    deferred = "deferred"  # Python's full garbage collections wait while the step compiles
+    python = "python"      # Python's collector as it is
+
+
 class PrecompileStart(enum.Enum):
     auto = "auto"    # fork where available (Linux), else spawn
     spawn = "spawn"  # each child a fresh Python process
@@ -226,6 +231,7 @@ class RuntimeConfig:
     recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
     prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
     autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
+    compile_gc: CompileGc = CompileGc.deferred  # Python's full garbage collections deferred while the step compiles | python (as is)
     reuse_blocks: bool = False       # with Inductor: each distinct residual block compiled once, its code called at every block alike
     dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
     backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side

@@ -926,23 +926,26 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
             from tr_hydra.runtime.saved_compile import Recorder
             tr.ex.recorder = Recorder({names.split(",")[0]: save_to}, tr.ex.compile_options,
                                       on_compiled=job.close if job is not None else None)
+        from tr_hydra.runtime import compile_gc
         try:
-            if backward_lock:  # the first variant's backward only: its forward is never run
-                with split_compile.backward_only():
-                    try:
-                        tr.ex.train_step(names.split(",")[0], "A")
-                        skipped = False
-                    except split_compile.ForwardSkipped:
-                        skipped = True
-            else:
-                with (split_compile.waits_for_twin(twin_lock, waited) if twin_lock else contextlib.nullcontext()):
-                    for name in names.split(","):
-                        if split == "train":
-                            tr.ex.train_step(name, "A")
-                        else:
-                            tr.model.eval()
-                            with tr.ex.folded():
-                                tr.ex.val_step(name, "A")
+            # runtime.compile_gc: Python's full collections deferred while the step compiles
+            with compile_gc.during_compiles(pc.runtime.compile_gc):
+                if backward_lock:  # the first variant's backward only: its forward is never run
+                    with split_compile.backward_only():
+                        try:
+                            tr.ex.train_step(names.split(",")[0], "A")
+                            skipped = False
+                        except split_compile.ForwardSkipped:
+                            skipped = True
+                else:
+                    with (split_compile.waits_for_twin(twin_lock, waited) if twin_lock else contextlib.nullcontext()):
+                        for name in names.split(","):
+                            if split == "train":
+                                tr.ex.train_step(name, "A")
+                            else:
+                                tr.model.eval()
+                                with tr.ex.folded():
+                                    tr.ex.val_step(name, "A")
         finally:
             rep = job.close() if job is not None else None
         if tr.device.type == "cuda":
@@ -955,6 +958,7 @@ def _child_main(argv: list[str], sent: float | None = None) -> int:
     out = dict(_counters(), variants=names.split(","), start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 2), trainer_s=round(t_trainer - t_import, 2),
                step_s=round(t_end - t_trainer, 2), phases_s=phase_seconds(), timers_s=_timers(), cudnn_share=shared,
+               gc=compile_gc.report(),
                **({"forward_skipped": skipped} if backward_lock else {}),
                **({"twin_wait_s": round(sum(waited), 2)} if twin_lock else {}),
                **(tr.ex.recorder.report() if save_to else {}), done_at=time.time())

@@ -425,6 +425,12 @@ class Trainer:
             self.ex.val_step(variant, buf)
 
     def capture(self) -> None:
+        """On CUDA: warm up every variant (the compiles) and capture its graphs."""
+        from tr_hydra.runtime import compile_gc
+        with compile_gc.during_compiles(self.pc.runtime.compile_gc):
+            self._capture()
+
+    def _capture(self) -> None:
         pc = self.pc
         if self.device.type != "cuda" or not pc.runtime.cuda_graph:
             self._close_launcher()  # no parallel compiles here
@@ -1089,11 +1095,15 @@ class Trainer:
         tel.start(step)
         images, train_time, t_run = 0, 0.0, time.perf_counter()
         self.model.train()
+        from tr_hydra.runtime import compile_gc
         from tr_hydra.runtime.guards import PreemptionGuard
         with PreemptionGuard() as guard:
             try:
-                step, images, train_time = self._epochs(start_epoch, step, history, tel, guard,
-                                                        images, train_time)
+                # compiles in the steps themselves (no CUDA graphs: Inductor on the CPU, or
+                # runtime.cuda_graph=false) follow runtime.compile_gc too
+                with compile_gc.during_compiles(self.pc.runtime.compile_gc):
+                    step, images, train_time = self._epochs(start_epoch, step, history, tel, guard,
+                                                            images, train_time)
             except _Stop as stop:
                 step = stop.step
                 self._sync()

@@ -133,7 +133,8 @@ def compile_forward(model: torch.nn.Module, x: torch.Tensor, options: dict | Non
     try:
         for p, _ in held:
             p.grad = None
-        with _aot_enabled():
+        from tr_hydra.runtime import compile_gc
+        with _aot_enabled(), compile_gc.compiling():  # runtime.compile_gc: not a Dynamo-heard compile
             compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options or None)
             fn = compiled.aot_compile(((x,), {}))
     finally:
@@ -233,7 +234,7 @@ STALE_TMP_S = 3600  # a temporary file this old in the store is a killed write's
 # runtime section is in the key)
 _RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "precompile_first", "precompile_own", "precompile_start",
                       "precompile_saved", "saved_store", "saved_store_gb", "prime_cudnn", "autotune_flush",
-                      "cudnn_benchmark_limit")
+                      "cudnn_benchmark_limit", "compile_gc")
 
 
 def store_dir() -> str:
