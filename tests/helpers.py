@@ -8,11 +8,10 @@ from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, Pla
 def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_size=60, batch=32,
                  val_batch=32, res=16, lowres_res=12, lowres_epochs=0, val_res=16, epochs=1,
                  max_steps=None, device="cpu", cuda_graph=True, compile="none", num_classes=10,
-                 label_smoothing=0.0, trainer=None, pad_last_val=False, **kw) -> PlanConfig:
+                 label_smoothing=0.0, trainer=None, **kw) -> PlanConfig:
     variants = make_variants(train_size=train_size, val_size=val_size, batch_size=batch,
                              val_batch_size=val_batch, base_res=res, lowres_res=lowres_res,
-                             lowres_epochs=lowres_epochs, val_res=val_res, drop_last=False,
-                             pad_last_val=pad_last_val)
+                             lowres_epochs=lowres_epochs, val_res=val_res, drop_last=False)
     return PlanConfig(
         model=ModelSpec(name=model, num_classes=num_classes),
         optimizer=optimizer or OptimizerSpec(name="momentum", lr=0.05, schedule="constant"),
@@ -20,4 +19,4 @@ def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_siz
         trainer=trainer or TrainerSpec(epochs=epochs, max_steps=max_steps, label_smoothing=label_smoothing),
         runtime=RuntimeSpec(device=device, cuda_graph=cuda_graph, compile=compile),
         variants=variants, batch_size=batch, val_batch_size=val_batch, lowres_epochs=lowres_epochs,
-        train_size=train_size, val_size=val_size, pad_last_val=pad_last_val, **kw)
+        train_size=train_size, val_size=val_size, **kw)

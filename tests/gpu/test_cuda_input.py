@@ -11,7 +11,7 @@ pytest.importorskip("nvidia.dali")
 
 from tests.unit.test_data import _dense, folder_config, make_folder
 from tr_hydra.data.dali_source import DaliSource
-from tr_hydra.runtime.runner import Trainer
+from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 

@@ -1,4 +1,4 @@
-"""CUDA: runtime.maxpool's gathering backward kernel against PyTorch's, alone and in the captured step."""
+"""CUDA: max pooling's gathering backward kernel against PyTorch's, alone and in the captured step."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import small_config
-from tr_hydra.runtime.runner import Trainer, epoch_schedule
+from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 
@@ -42,8 +43,9 @@ def test_resnet_stem_pooling_compiled_matches_eager(dtype):
 
 
 def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monkeypatch):
-    """resnet18 with Inductor inside the captured step: runtime.maxpool=auto (the gathering
-    kernel on CUDA) and native give the same fp32 step (TF32 off)."""
+    """resnet18 with Inductor inside the captured step: the gathering kernel (what runs on CUDA)
+    and the model's own pooling give the same fp32 step (TF32 off)."""
+    from tr_hydra.ops import maxpool
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     out, logs = {}, []
@@ -51,15 +53,18 @@ def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monk
         torch._dynamo.reset()
         pc = small_config(model="resnet18", device="cuda", amp=False, compile="inductor", batch=16,
                           train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, maxpool=mode, precompile=0))
-        tr = Trainer(pc, tmp_path / mode, log=logs.append, telemetry=False)
-        tr.capture()
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=0))
+        with monkeypatch.context() as mp:
+            if mode == "native":
+                mp.setattr(maxpool, "uses_gather", lambda *a: False)
+            tr = Trainer(pc, tmp_path / mode, log=logs.append, telemetry=False)
+        tr.get_ready()
         before = {k: v.clone() for k, v in tr.final_state_dict().items()}
         tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
         torch.cuda.synchronize()
         out[mode] = (before, {k: v.clone() for k, v in tr.final_state_dict().items()})
         tr.close()
-    assert any(str(ln).startswith("runtime.maxpool: maxpool's backward gathers") for ln in logs), logs
+    assert any(str(ln).startswith("max pooling: maxpool's backward gathers") for ln in logs), logs
     (b0, want), (b1, got) = out["native"], out["auto"]
     worst, checked = 0.0, 0
     for k, w in want.items():

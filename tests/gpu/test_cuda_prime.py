@@ -1,5 +1,6 @@
-"""CUDA: runtime.prime_cudnn leaves no cuDNN algorithm search for the steps (seen in the caching
-allocator's history: the search's workspace is allocated from ``generate_and_filter_plans``)."""
+"""CUDA: cuDNN's search before the first step (startup.cudnn) leaves no algorithm search for the
+steps (seen in the caching allocator's history: the search's workspace is allocated from
+``generate_and_filter_plans``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import small_config
-from tr_hydra.runtime import cudnn_prime as cp
-from tr_hydra.runtime.runner import Trainer
+from tr_hydra.startup import cudnn as cp
+from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 
@@ -65,36 +66,43 @@ def test_a_primed_convolution_does_not_search_again():
 
 
 @pytest.mark.parametrize("compile", ["none", "inductor"])
-def test_trainer_warm_up_finds_every_plan_primed(tmp_path, compile):
+def test_trainer_warm_up_finds_every_plan_primed(tmp_path, compile, monkeypatch):
     """What the meta-device recording finds is what the step runs, eager or through Inductor:
-    after priming, the warm-up and capture of every variant search nothing."""
+    after the search, the warm-up and capture of every variant search nothing."""
     batch = 24 if compile == "none" else 20  # shapes of their own: cuDNN's cache is per process
     pc = small_config(device="cuda", compile=compile, amp=True, batch=batch, val_batch=batch,
                       train_size=3 * batch + 5, val_size=batch + 3, lowres_epochs=1, max_steps=2)
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
-    rep = tr.prime_cudnn()
+    rep = cp.search_now(tr.rt)
     assert rep is not None and rep.calls > 10
-    assert search_allocations(tr.capture) == []
+    # get_ready searches again before the warm-up (its plans cached now: no new search). Not
+    # ahead on a thread beside the first compile: cuDNN caches its plans per thread, so that
+    # thread would search anew (the next test covers the search ahead)
+    monkeypatch.setattr(cp, "search_ahead", lambda *a, **k: None)
+    assert search_allocations(tr.get_ready) == []
     assert len(tr.graphs.train) == 2 * 4  # the four training variants, both buffers
+    assert tr.startup.cudnn is not None and tr.startup.cudnn.calls == rep.calls  # get_ready's own search
     tr.fit()
 
-    # without priming the same kind of trainer searches during its warm-up
-    off = dataclasses.replace(small_config(device="cuda", compile=compile, amp=True, batch=batch + 2,
-                                           val_batch=batch + 2, train_size=3 * batch + 9,
-                                           val_size=batch + 5, max_steps=2),
-                              runtime=dataclasses.replace(pc.runtime, prime_cudnn=False))
-    tr2 = Trainer(off, tmp_path / "off", log=lambda *_: None)
-    assert tr2.prime_cudnn() is None
-    assert search_allocations(tr2.capture)
+    # with get_ready's search taken away, the same kind of trainer searches during its warm-up
+    # (the check above can fail)
+    monkeypatch.setattr(cp, "search_now", lambda *a, **k: None)
+    other = small_config(device="cuda", compile=compile, amp=True, batch=batch + 2, val_batch=batch + 2,
+                         train_size=3 * batch + 9, val_size=batch + 5, max_steps=2)
+    tr2 = Trainer(other, tmp_path / "off", log=lambda *_: None)
+    assert search_allocations(tr2.get_ready)
+    assert tr2.startup.cudnn is None
 
 
 def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_before_any_step(tmp_path, monkeypatch):
-    """No explicit priming: capture() starts the search on a thread while the first variant
-    compiles, and the main thread searches at the end of that compile. Every search allocation
-    (either thread's) comes before the compiled step's first allocation: none in a warm-up step."""
+    """No explicit search: get_ready() starts the search on a thread while the first variant
+    compiles (whole, to be kept in the saved store), and the main thread searches at the end of
+    that compile. Every search allocation (either thread's) comes before the compiled step's
+    first allocation: none in a warm-up step."""
     batch = 18  # shapes of their own: cuDNN's cache is per process
-    from tr_hydra.runtime import runner
-    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())  # other tests' trainers: a compile must come
+    monkeypatch.setattr(cp, "_COMPILED_FORWARDS", set())  # other tests' runtimes: a compile must come
+    # an empty store: the first variant is compiled here, not loaded from an earlier run's
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     torch._dynamo.reset()
     pc = small_config(device="cuda", compile="inductor", amp=True, batch=batch, val_batch=batch,
                       train_size=3 * batch + 7, val_size=batch + 1, lowres_epochs=1, max_steps=2)
@@ -102,7 +110,7 @@ def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_befor
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all")
     try:
-        tr.capture()
+        tr.get_ready()
         torch.cuda.synchronize()
     finally:
         snap = torch.cuda.memory._snapshot()
@@ -117,8 +125,8 @@ def test_with_inductor_the_search_starts_beside_the_first_compile_and_ends_befor
                 if any(f["filename"].startswith(cache_dir()) for f in e.get("frames", ()))]
     assert compiled, "the compiled step's allocations were not seen"
     assert max(search_at) < compiled[0], (max(search_at), compiled[0])
-    rep = tr.cudnn_prime
-    assert rep is not None and rep.in_first_compile and rep.calls > 10
+    rep = tr.startup.cudnn
+    assert tr.startup.from_store == [] and rep is not None and rep.in_first_compile and rep.calls > 10
     assert rep.ahead_error == "" and rep.ahead_seconds > 0, rep
     tr.fit()
 
@@ -127,16 +135,17 @@ def test_with_no_compile_in_the_warm_up_the_search_thread_ends_before_the_captur
     """A second trainer of the same model and shapes in one process: Dynamo may reuse the first
     one's compiled forward, so no compile comes to end the search ahead. Forced to search ahead
     anyway (the guard against it cleared), its thread must be stopped before the first capture
-    (a capture must see no other thread's work: this failed the capture before)."""
-    from tr_hydra.runtime import runner
+    (a capture must see no other thread's work: this failed the capture before). No store and
+    no parallel compiles: every variant traced here through Dynamo, none compiled whole."""
     batch = 22
     pc = small_config(device="cuda", compile="inductor", amp=True, batch=batch, val_batch=batch,
                       train_size=3 * batch + 1, val_size=batch + 1, lowres_epochs=1, max_steps=2)
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, saved_store_gb=0, precompile=0))
     Trainer(pc, tmp_path / "a", log=lambda *_: None).fit()
-    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
+    monkeypatch.setattr(cp, "_COMPILED_FORWARDS", set())
     logs = []
     tr = Trainer(pc, tmp_path / "b", log=logs.append)
-    res = tr.fit()  # captures, then trains
+    res = tr.fit()  # gets ready, then trains
     assert res.capture_seconds > 0 and len(tr.graphs.train) == 2 * 4, logs
-    if tr.cudnn_prime is None:  # Dynamo reused the compile
+    if tr.startup.cudnn is None:  # Dynamo reused the compile
         assert any("no compile came in the warm-up" in str(ln) for ln in logs), logs

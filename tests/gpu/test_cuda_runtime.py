@@ -6,7 +6,10 @@ import torch
 
 from tests.helpers import small_config
 from tr_hydra.config.plan_config import OptimizerSpec
-from tr_hydra.runtime.runner import Trainer, epoch_schedule
+from tr_hydra import startup
+from tr_hydra.runtime.build import Runtime
+from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 
@@ -48,7 +51,7 @@ def test_fp16_inf_skips_update_on_graph(tmp_path):
     pc = small_config(device="cuda", amp=True, amp_dtype="fp16", max_steps=1,
                       optimizer=OptimizerSpec(name="adam", lr=1e-3, schedule="constant"))
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
-    tr.capture()
+    tr.get_ready()
     tr.run_steps(epoch_schedule(pc, 0)[:2], "train")
     before = tr.arena.arena.clone()
     scale = tr.ex.scalar("loss_scale")
@@ -67,7 +70,7 @@ def test_fp16_inf_skips_update_on_graph(tmp_path):
 def test_no_allocations_after_capture(tmp_path):
     pc = small_config(device="cuda", train_size=200, batch=32, lowres_epochs=1, epochs=2, amp=True)
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
-    tr.capture()
+    tr.get_ready()
     steps = []
     for e in (0, 1):
         steps += epoch_schedule(pc, e)
@@ -106,130 +109,74 @@ def test_deterministic_runs_are_bit_identical_with_graphs(tmp_path):
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
-def test_precompiled_variants_load_from_the_cache(tmp_path, monkeypatch, start):
-    """Each variant after the first is compiled by a child process into a fresh Inductor cache;
-    the main process then loads those compiles instead of making them, and still trains. Forked
-    from the launcher, the children initialise CUDA themselves and import nothing again."""
-    from torch._dynamo.utils import counters
+def test_precompiled_variants_are_loaded_whole_and_kept_for_the_next_run(tmp_path, monkeypatch, start):
+    """Parallel compiles: every variant but one is compiled by a child (forked from the launcher,
+    or a fresh process where forking is not available) into a fresh Inductor cache; each child
+    compiles its variant whole and saves it, and the training process loads each file instead of
+    tracing the variant, and trains. Where every other variant gets a child of its own, the
+    training process compiles a validation variant itself (its compile ends with cuDNN's
+    search) and warms it up first. The saved store keeps all six; a later run of the same plan
+    with another learning rate loads all six, starts no child nor launcher, and trains."""
     import dataclasses
+    from tr_hydra.startup import children
     torch._dynamo.reset()  # an earlier test's compile of the same model would be reused, loading nothing
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    if start == "spawn":
+        monkeypatch.setattr(children, "fork_available", lambda: False)
     pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
                       val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_start=start,
-                                                              precompile_backward=True))
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5))
     from tr_hydra.runtime import progress
     monkeypatch.setattr(progress, "EVERY_S", 1.0)  # the warm-up's progress lines, every second here
     logs = []
     tr = Trainer(pc, tmp_path / "run", log=logs.append)
     assert (tr._launcher is not None) == (start == "fork")
-    hits0 = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    res = tr.fit()  # captures: the warm-up compiles, or loads, every variant
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] - hits0
-    s = tr.precompile_summary
-    assert s is not None
-    # runtime.precompile_backward: each training variant's backward in a twin process,
-    # the main process's own first one's too; the twins ran no forward (the main process may
-    # have compiled its own variant whole before its twin got there: the twin then found it in
-    # the cache), and each training child loaded its backward from its twin's compile
-    twins = {n[:-len(" backward")]: s.pop(n) for n in list(s) if n.endswith(" backward")}
-    assert sorted(twins) == ["train_base", "train_last", "train_lowres", "train_lowres_last"], (twins, logs)
-    assert all(t["ok"] and t["forward_skipped"] is True and t["start"] == start for t in twins.values()), twins
-    assert all(s[n]["fxgraph_cache_hit"] >= 1 and "twin_wait_s" in s[n]
-               for n in ("train_last", "train_lowres", "train_lowres_last")), s
-    # the main process's first variant waits for its twin where the twin has started by the time it
-    # reaches its backward (twin_wait_s); with this small model on a busy host it may not have
-    # (session ae, forked children: it compiled its backward itself), so that is not asserted
-    assert sorted(s) == ["train_last", "train_lowres", "train_lowres_last", "val_base", "val_last"], logs
-    assert all(r["ok"] for r in s.values()), (s, logs)
+    res = tr.fit()
+    rep = tr.startup
+    s = rep.children
+    mine = "val_base"
+    kids = ["train_base", "train_last", "train_lowres", "train_lowres_last", "val_last"]
+    assert rep.own == mine
+    assert any(line.startswith(f"compiling 6 variants: {mine} here, 5 in 5 parallel processes") for line in logs), logs
+    assert sorted(s) == kids and all(r["ok"] for r in s.values()), (s, logs)
     assert all(r["start"] == start for r in s.values()), s
     if start == "fork":
         assert all(r["import_s"] < 1.0 for r in s.values()), s
-        assert tr.launcher_ready_s is not None
-    assert all(r["fxgraph_cache_miss"] > 0 for r in s.values()), s  # the children compiled
-    # the validation children ran their share of the main process's cuDNN search beside their
-    # compile, without error; the training children none
-    shares = {n: r["cudnn_share"] for n, r in s.items()}
-    val = [shares[n] for n in ("val_base", "val_last")]
-    assert all(sh is not None and sh["of"] > 0 and "error" not in sh for sh in val), shares
-    assert sum(sh["of"] for sh in val) == tr.cudnn_prime.calls, (shares, tr.cudnn_prime)
-    assert all(shares[n] is None for n in ("train_last", "train_lowres", "train_lowres_last")), shares
-    assert hits >= len(s), (hits, s)  # and the main process loaded what they compiled
+        assert rep.launcher_ready_s is not None
+    # every child compiled its variant whole and saved it; the training process loaded all five
+    assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
+               for n, r in s.items()), s
+    assert sorted(rep.loaded_s) == kids, logs
+    assert sorted(tr.ex.saved_forwards) == sorted(kids + [mine])  # its own compiled whole here too
+    assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
+    assert next(iter(rep.warmup_seconds)) == mine, rep.warmup_seconds
+    # it traced no model forward for the children's variants
+    assert all(rep.warmup_work[n].get("compiled", 0) == 0 for n in kids), rep.warmup_work
+    assert rep.cudnn is not None and rep.cudnn.in_first_compile, logs
     assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
+    assert res.epochs[-1]["val"]["loss"] == res.epochs[-1]["val"]["loss"]
     # while it compiled and waited, the warm-up said so; the lines end before the capture
     still = [i for i, line in enumerate(logs) if line.startswith("  still ")]
     captured = next(i for i, line in enumerate(logs) if line.startswith("captured "))
     assert still and max(still) < captured, logs
-    assert any("warming up train_base" in logs[i] for i in still), logs
-
-
-@pytest.mark.parametrize("own", ["auto", "first", "validation"])
-def test_precompiled_variants_are_loaded_whole_from_their_saved_compiles(tmp_path, monkeypatch, own):
-    """runtime.precompile_saved (the default): each child compiles its variant's forward and
-    backward whole and saves them; the main process loads each file instead of tracing the
-    variant, and trains as before. With runtime.precompile_own=auto (the default) the main
-    process compiles a validation variant itself and a child the first training variant;
-    with ``first`` the main process compiles the first training variant; with ``validation``
-    both validation variants, one after the other, and a child each training variant."""
-    import dataclasses
-    from tr_hydra.runtime import saved_compile
-    torch._dynamo.reset()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
-    pc = small_config(device="cuda", compile="inductor", amp=True, train_size=200, batch=32, val_size=70,
-                      val_batch=32, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=5, precompile_own=own))
-    assert pc.runtime.precompile_saved and saved_compile.supported() == ""
-    logs = []
-    tr = Trainer(pc, tmp_path / "run", log=logs.append)
-    res = tr.fit()
-    s = tr.precompile_summary
-    mines = {"auto": ["val_base"], "first": ["train_base"], "validation": ["val_base", "val_last"]}[own]
-    mine = mines[0]
-    children = sorted(set(["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base",
-                           "val_last"]) - set(mines))
-    k = len(children)
-    assert any(line.startswith(f"compiling 6 variants: {' and '.join(mines)} here, {k} in {k} parallel processes")
-               for line in logs), logs
-    assert sorted(s) == children and all(r["ok"] for r in s.values()), (s, logs)
-    # every child compiled its variant whole and saved it; the main process loaded all five
-    assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
-               for n, r in s.items()), s
-    assert sorted(tr.saved_load_s) == children, logs
-    # and its own variants' compiles, made whole here (runtime.saved_store)
-    assert sorted(tr.ex.saved_forwards) == sorted(children + mines)
-    assert any(line.startswith(f"loaded the saved compiles of {k} variants") for line in logs), logs
-    # its own variant warmed up first, its compile ending with cuDNN's search
-    assert next(iter(tr.graphs.warmup_seconds)) == mine, tr.graphs.warmup_seconds
-    # the main process traced no model forward for them: only its own first variant's and the
-    # loss's (a small graph, from the caches)
-    work = tr.graphs.warmup_work
-    assert all(work[n].get("compiled", 0) == 0 for n in children), work
-    assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
-    assert res.epochs[-1]["val"]["loss"] == res.epochs[-1]["val"]["loss"]
-    # runtime.saved_store (the default): the five were kept, and the first variant, compiled
-    # whole here (cuDNN's search ran at the end of that compile); a later run of the same plan
-    # with another learning rate loads all six, starts no child (nor a launcher) and trains
-    assert sorted(tr.saved_stored) == sorted(children + mines) and tr.saved_from_store == [], logs
-    assert list(tr.ex.recorder.compiled) == mines and tr.cudnn_prime.in_first_compile, logs
-    if own == "validation":  # no validation child: no child shares cuDNN's search
-        assert all(r.get("cudnn_share") is None for r in s.values()), s
+    every = sorted(kids + [mine])
+    assert sorted(rep.kept) == every and rep.from_store == [], logs
     tr.close()
     pc2 = dataclasses.replace(pc, optimizer=dataclasses.replace(pc.optimizer, lr=pc.optimizer.lr * 2))
     logs2 = []
     tr2 = Trainer(pc2, tmp_path / "run2", log=logs2.append)
-    assert tr2._launcher is None
     res2 = tr2.fit()
-    every = sorted(children + mines)
-    assert tr2.precompile_summary is None and sorted(tr2.saved_from_store) == every, logs2
-    assert sorted(tr2.saved_load_s) == every and tr2.saved_stored == [], logs2
+    rep2 = tr2.startup
+    assert rep2.children is None and sorted(rep2.from_store) == every, logs2
+    assert sorted(rep2.loaded_s) == every and rep2.kept == [], logs2
     # loaded on a thread while cuDNN searched, before the warm-up (no compile to wait for)
-    assert sorted(tr2.saved_preloaded) == every and not tr2.cudnn_prime.in_first_compile, logs2
-    assert any(line.startswith("runtime.saved_store: 6 of 6 variants' compiles kept by an earlier run")
+    assert sorted(rep2.preloaded) == every and not rep2.cudnn.in_first_compile, logs2
+    assert any(line.startswith("saved store: 6 of 6 variants' compiles kept by an earlier run")
                for line in logs2), logs2
-    work = tr2.graphs.warmup_work
-    assert all(work[n].get("compiled", 0) == 0 for n in every), work
+    assert all(rep2.warmup_work[n].get("compiled", 0) == 0 for n in every), rep2.warmup_work
     assert res2.epochs[-1]["train"]["loss"] == res2.epochs[-1]["train"]["loss"]
     assert res2.epochs[-1]["val"]["loss"] == res2.epochs[-1]["val"]["loss"]
+    tr2.close()
 
 
 def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
@@ -243,9 +190,8 @@ def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
         torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    tr = Trainer(small_config(device="cuda", amp=True), tmp_path, log=lambda *_: None, telemetry=False,
-                 source=False)
-    tr.capture()
+    tr = Runtime(small_config(device="cuda", amp=True), log=lambda *_: None, source=False)
+    startup.get_ready(tr, None, lambda *_: None)
     torch.cuda.synchronize()
     streams = {seg["stream"] for seg in torch.cuda.memory_snapshot()
                if seg["stream"] != 0 and any(b["state"] == "active_allocated" for b in seg["blocks"])}
@@ -254,9 +200,8 @@ def test_warm_up_and_capture_share_one_set_of_blas_workspaces(tmp_path):
     assert 0 < extra <= BLAS_WORKSPACE_BYTES + 2**20, extra / 2**20
     # a second trainer in the same process (a sweep's next job) captures on the same stream
     # and adds no workspace set
-    tr2 = Trainer(small_config(device="cuda", amp=True), tmp_path / "second", log=lambda *_: None,
-                  telemetry=False, source=False)
-    tr2.capture()
+    tr2 = Runtime(small_config(device="cuda", amp=True), log=lambda *_: None, source=False)
+    startup.get_ready(tr2, None, lambda *_: None)
     torch.cuda.synchronize()
     assert tr2.graphs.stream is tr.graphs.stream
     extra2 = torch.cuda.memory_allocated() - base - tr.arena.arena.numel() - tr2.arena.arena.numel()
@@ -276,14 +221,21 @@ def test_close_destroys_the_captured_graphs(tmp_path):
 
 
 def _one_step(tmp_path, name, stem, compile, amp, stem_channels=None):
-    """States before and after one captured training step of resnet18 at 64x64."""
+    """States before and after one captured training step of resnet18 at 64x64; ``stem``:
+    ``s2d`` (what runs on CUDA) or ``conv`` (the model's own convolution, the fold switched
+    off); ``stem_channels``: the channel multiple its input is padded to (None: as on CUDA)."""
     import dataclasses
+    from tr_hydra.models import stem as stem_mod
     pc = small_config(model="resnet18", device="cuda", amp=amp, compile=compile, batch=16,
                       train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem=stem, precompile=0,
-                                                             stem_channels=stem_channels))
-    tr = Trainer(pc, tmp_path / name, log=lambda *_: None, telemetry=False)
-    tr.capture()
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=0))
+    with pytest.MonkeyPatch.context() as mp:
+        if stem == "conv":
+            mp.setattr(stem_mod, "space_to_depth_stem", lambda *a, **k: [])
+        if stem_channels is not None:
+            mp.setattr(stem_mod, "stem_channel_multiple", lambda *a, _c=stem_channels: _c)
+        tr = Trainer(pc, tmp_path / name, log=lambda *_: None, telemetry=False)
+    tr.get_ready()
     before = {k: v.clone() for k, v in tr.final_state_dict().items()}
     tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
     torch.cuda.synchronize()
@@ -305,7 +257,7 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, m
       (1.5x its distance + 0.02). bf16 alone puts a step 0.2-0.45 of its change away from the
       fp32 one here (measured), the plain conv's and the folded one's alike, so a fixed bound
       would say nothing.
-    The same holds with the fold padded to 16 channels (``runtime.stem_channels=16``), the
+    The same holds with the fold padded to 16 channels (the 8 of 16-bit runs doubled), the
     zero channels reaching the convolution as cuDNN or Inductor runs it.
     The synthetic bank sits in pinned host memory."""
     from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d
@@ -314,11 +266,11 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, m
     b_ref, ref, kind, _ = _one_step(tmp_path, "ref", "conv", "none", False)
     assert kind is ImageConv2d
     runs = {}
-    for name, stem, amp, sc in (("s2d32", "auto", False, None), ("s2d16", "auto", True, None),
-                                ("conv16", "conv", True, None), ("s2d32p", "auto", False, 16),
-                                ("s2d16p", "auto", True, 16)):
+    for name, stem, amp, sc in (("s2d32", "s2d", False, None), ("s2d16", "s2d", True, None),
+                                ("conv16", "conv", True, None), ("s2d32p", "s2d", False, 16),
+                                ("s2d16p", "s2d", True, 16)):
         before, after, kind, bank = _one_step(tmp_path, name, stem, compile, amp, sc)
-        assert (kind is SpaceToDepthConv2d) == (stem == "auto")
+        assert (kind is SpaceToDepthConv2d) == (stem == "s2d")
         assert not bank.is_cuda and bank.is_pinned()
         for k, w in b_ref.items():
             assert torch.equal(before[k], w), (name, k)  # the same start
@@ -371,7 +323,7 @@ def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(t
         pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute=mode, precompile=0))
         torch.cuda.empty_cache()
         tr = Trainer(pc, tmp_path / mode, log=lambda *_: None, telemetry=False)
-        tr.capture()
+        tr.get_ready()
         before = {k: v.clone() for k, v in tr.final_state_dict().items()}
         tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
         torch.cuda.synchronize()
@@ -391,44 +343,6 @@ def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(t
         checked += 1
         assert ((got[k].double() - w.double()).norm() / change).item() < 5e-2, k
     assert checked > 50
-
-
-@pytest.mark.parametrize("twins", [False, True])
-def test_dynamic_batch_shares_one_graph_per_split_and_resolution(tmp_path, monkeypatch, twins):
-    """runtime.dynamic_batch with parallel compiles: three graphs for the six variants (training
-    at two resolutions, validation), a child for each graph after the first that also steps
-    the variants sharing it; every variant is captured and the run trains. Asked for,
-    runtime.precompile_backward says it is not used here."""
-    import dataclasses
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
-    torch._dynamo.reset()
-    pc = small_config(device="cuda", compile="inductor", amp=True, train_size=360, batch=256, val_size=336,
-                      val_batch=256, lowres_epochs=1, epochs=2, res=32, lowres_res=24, val_res=32)
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, dynamic_batch=True, precompile=5,
-                                                              precompile_backward=twins))
-    logs = []
-    tr = Trainer(pc, tmp_path / "run", log=logs.append)
-    res = tr.fit()
-    assert any("6 variants share 3 compiled graphs" in str(ln) for ln in logs), logs
-    s = tr.precompile_summary
-    tw = {n[:-len(" backward")]: s.pop(n) for n in list(s) if n.endswith(" backward")}
-    # runtime.precompile_backward is not used with a symbolic batch: here (session ac) the
-    # children did not find their twins' backward in the cache
-    assert not tw, tw
-    if twins:
-        assert any("precompile_backward: not available (not with runtime.dynamic_batch)" in str(ln)
-                   for ln in logs), logs
-    # runtime.precompile_own=auto: this process compiles the validation graph and a child each
-    # training graph; with twins asked for (not used here) it keeps the first training graph
-    kids = ["train_lowres", "val_base"] if twins else ["train_base", "train_lowres"]
-    assert sorted(s) == kids and all(r["ok"] for r in s.values()), s
-    assert s["train_lowres"]["variants"] == ["train_lowres", "train_lowres_last"], s
-    if not twins:
-        assert s["train_base"]["variants"] == ["train_base", "train_last"], s
-    assert len(tr.graphs.train) == 2 * 4 and len(tr.graphs.val) == 2 * 2
-    assert len(_debug_get_cache_entry_list(type(tr.model).forward.__code__)) == 3
-    assert res.epochs[-1]["train"]["loss"] == res.epochs[-1]["train"]["loss"]  # finite, not NaN
 
 
 def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_path):
@@ -456,7 +370,7 @@ def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_p
                           train_size=32, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
         pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute=mode, precompile=0))
         tr = Trainer(pc, tmp_path / mode, log=lambda *_: None, telemetry=False)
-        tr.capture()
+        tr.get_ready()
         tr.close()
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(3):
@@ -465,79 +379,3 @@ def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_p
     assert counters["stats"]["unique_graphs"] == graphs, "the baseline compiled again"
     assert cudagraph_trees.get_manager(idx, create_if_none_exists=False) is manager
     recompute._compiled_with.clear()
-
-
-@pytest.mark.parametrize("compile", ["none", "inductor"])
-def test_a_padded_last_validation_batch_replays_val_base_with_the_same_metrics(tmp_path, compile):
-    """variants.pad_last_val: one validation graph fewer, and the captured val_base graph, fed
-    6 samples in a 32-row buffer, gives the metrics of the run with its own val_last graph."""
-    import dataclasses
-    import math
-    kw = dict(device="cuda", compile=compile, train_size=200, batch=32, val_size=70, val_batch=32,
-              amp=True, epochs=1, ema=True)
-    out = {}
-    for pad in (False, True):
-        pc = small_config(pad_last_val=pad, **kw)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=0, deterministic=True))
-        tr = _train(pc, tmp_path, f"pad_{pad}")
-        assert tr.graphs is not None
-        assert sorted({v for v, _ in tr.graphs.val}) == (["val_base"] if pad else ["val_base", "val_last"])
-        out[pad] = tr.validate()
-    for split in ("val", "val_ema"):
-        a, b = out[False][split], out[True][split]
-        assert a["count"] == b["count"] == 70  # padding counted in would make 96
-        # the same weights (deterministic training): at most one sample's difference in rounding
-        assert abs(a["top1"] - b["top1"]) <= 100 / 70 + 1e-9 and abs(a["top5"] - b["top5"]) <= 100 / 70 + 1e-9, (a, b)
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-3), (a, b)
-
-
-def test_stem_bench_times_every_form_inside_a_cuda_graph():
-    """python -m tr_hydra.models.stem_bench on CUDA: each form, compiled ones included, is timed
-    inside a CUDA graph (no host launch cost counted), starting from the fp16 image as the step
-    gets it, and every form's output matches the fp32 reference as the plain conv's does."""
-    from tr_hydra.models.stem_bench import QUICK, run
-    out = run(torch.device("cuda"), QUICK, n=5, compiled=True)
-    for name, res in out["cases"].items():
-        assert out["timed_in_graph"][name] == {"all": True, "not": []}, name
-        assert all(v > 0 for k, v in res.items() if k.endswith("_ms")), name
-        assert res["plain_c8_compiled_fwd_wgrad_ms"] > 0
-        plain = res["max_abs_err_plain"]
-        for k, v in res.items():
-            if k.startswith("max_abs_err_"):
-                assert v <= 2 * plain + 1e-2, (name, k, v, plain)
-
-
-def test_reused_blocks_on_cuda_match_the_default_step_and_leave_the_weights_alone(tmp_path, monkeypatch):
-    """runtime.reuse_blocks with Inductor in the captured step: resnet18's two alike blocks of
-    layer1 share one region; one fp32 step (TF32 off) moves every tensor as the default step
-    does, within the bound of the recompute test above (fp32 rounding amplified by
-    cancellation); and the captured forward and backward leave the weights as they were (the
-    region's code once wrote into them, see runtime/block_reuse.py)."""
-    import dataclasses
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    out, logs = {}, []
-    for reuse in (False, True):
-        torch._dynamo.reset()
-        pc = small_config(model="resnet18", device="cuda", amp=False, compile="inductor", batch=16,
-                          train_size=48, val_size=16, val_batch=16, res=64, val_res=64, lowres_res=64)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, reuse_blocks=reuse, precompile=0))
-        tr = Trainer(pc, tmp_path / str(reuse), log=logs.append, telemetry=False)
-        tr.capture()
-        before = {k: v.clone() for k, v in tr.final_state_dict().items()}
-        tr.run_steps(epoch_schedule(pc, 0)[:1], "train")
-        torch.cuda.synchronize()
-        out[reuse] = (before, {k: v.clone() for k, v in tr.final_state_dict().items()})
-        tr.close()
-    assert "runtime.reuse_blocks: 2 residual blocks share the compiled code of 1" in logs
-    (b0, want), (b1, got) = out[False], out[True]
-    checked = 0
-    for k, w in want.items():
-        assert torch.equal(b0[k], b1[k]), k
-        change = (w.double() - b0[k].double()).norm()
-        if not w.is_floating_point() or change == 0:
-            continue
-        checked += 1
-        assert ((got[k].double() - w.double()).norm() / change).item() < 5e-2, k
-    assert checked > 50
-    torch._dynamo.reset()

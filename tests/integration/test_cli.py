@@ -53,41 +53,6 @@ def test_tr_plan_json(tmp_path):
         assert set(d) == {"id", "name", "region", "shape", "dtype", "offset", "slot_bytes"}
 
 
-_EARLY_PROBE = r"""
-import sys
-import tr_hydra.cli.train as train
-from tr_hydra.runtime import precompile as pcm
-real = pcm.start_early
-pcm.early_launcher_wanted = lambda *a, **k: True  # as on a GPU host: start one
-
-def probe(pc, **k):
-    torch_before = "torch" in sys.modules
-    started = real(pc, **k)
-    print(f"EARLY started={started} torch_before={torch_before} launcher_pid={pcm._EARLY.proc.pid}", flush=True)
-    return started
-pcm.start_early = probe
-sys.exit(train.main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher forks (Linux)")
-def test_tr_train_starts_the_launcher_before_it_imports_pytorch(tmp_path):
-    """tr-train starts the parallel compiles' launcher right after composing its config, before
-    it imports PyTorch, so that the launcher's imports overlap its own. On the CPU the trainer
-    then wants none and closes it; the run goes on as before."""
-    out = subprocess.run([sys.executable, "-c", _EARLY_PROBE, "model=resnet18_cifar", "data.train_size=48",
-                          "data.val_size=16", "variants.batch_size=16", "variants.val_batch_size=16",
-                          "variants.base_res=16", "variants.val_res=16", "trainer.epochs=1",
-                          f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("EARLY "))
-    assert "started=True torch_before=False" in line, line
-    pid = int(line.rsplit("=", 1)[1])
-    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    assert any(ln.startswith("done:") for ln in out.stdout.splitlines())
-
-
 def test_tr_train_writes_loadable_weights(tmp_path):
     out = run("tr-train", "model=resnet18_cifar", "data.train_size=48", "data.val_size=16",
               "variants.batch_size=16", "variants.val_batch_size=16", "variants.base_res=16",
@@ -108,7 +73,7 @@ def test_init_from_starts_from_given_weights(tmp_path):
     from tests.helpers import small_config
     from tr_hydra.compiler.compile import instantiate_model
     from tr_hydra.config.plan_config import ModelSpec
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.train.trainer import Trainer
     torch.manual_seed(123)
     pc = small_config()
     src = instantiate_model(pc).state_dict()
@@ -184,7 +149,8 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
         assert line in out.stderr, out.stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
     assert [m["mode"] for m in res["modes"]] == ["eager", "tr"]
-    assert res["runtime"]["stem"] == "auto" and res["runtime"]["device"] == "auto"  # the run's settings
+    assert res["runtime"]["compile"] == "auto" and res["runtime"]["device"] == "auto"  # the run's settings
+    assert set(res["runtime"]).isdisjoint({"compile_gc", "cudnn_benchmark_limit", "stem_channels", "maxpool"})
     host = res["host"]  # what it ran on: the host's Python speed moves compile times most
     assert host["cores"] == os.cpu_count() and host["python"] == platform.python_version()
     assert host["python_loop_ms"] > 0 and host["torch"] == torch.__version__ and "gpu" not in host
@@ -199,6 +165,9 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
     assert mem["predicted_need_bytes"] == (mem["arena_bytes"] + mem["activation_estimate_bytes"]
                                            + mem["gradient_transient_bytes"] + mem["library_workspace_bytes"])
     assert "tr memory MiB: arena" in out.stdout
+    startup = res["modes"][1]["startup"]  # tr_hydra's start-up, one key (StartupReport.to_json())
+    assert startup["graphs"] == 0 and startup["cudnn"] is None and startup["children"] is None  # the CPU's
+    assert "startup" not in res["modes"][0]
     mix = res["epoch_mix"]
     assert list(mix["variants"]) == ["train_base", "train_last", "train_lowres", "train_lowres_last", "val_base"]
     assert list(mix["modes"]) == ["tr", "eager"]
@@ -207,13 +176,16 @@ def test_tr_bench_on_cpu_writes_table_and_json(tmp_path):
         assert set(r["step_ms_by_variant"]) == set(mix["variants"])
     assert set(mix["modes"]["eager"]["first_step_seconds_by_variant"]) == set(mix["variants"])
     parts = mix["modes"]["tr"]["ready_seconds"]  # the time to the first steps, split
-    assert set(parts) == {"trainer", "start_children", "record_convs", "prime_cudnn", "warmup", "graphs",
-                          "capture_other", "first_steps"} and parts["trainer"] > 0 and parts["first_steps"] > 0
+    assert set(parts) == {"runtime", "start_children", "record_convs", "prime_cudnn", "warmup", "graphs",
+                          "capture_other", "first_steps"} and parts["runtime"] > 0 and parts["first_steps"] > 0
     assert abs(sum(parts.values()) - mix["modes"]["tr"]["first_step_of_all_variants_seconds"]) < 1e-6
     assert "tr: first step of every variant after" in out.stdout and "record convs" in out.stdout
-    tlog = mix["modes"]["tr"]["trainer_log"]  # what the trainer reported, kept
+    tlog = mix["modes"]["tr"]["log"]  # what the runtime and its start-up reported, kept
     assert isinstance(tlog, list) and all(isinstance(ln, str) for ln in tlog)
-    assert mix["modes"]["tr"]["launcher_error"] == "" and mix["modes"]["tr"]["launcher_ready_seconds"] is None
+    st = mix["modes"]["tr"]["startup"]  # the start-up's report, under one key
+    assert st["launcher_error"] == "" and st["launcher_ready_s"] is None and st["warmup_seconds"] == {}
+    assert set(mix["modes"]["tr"]).isdisjoint({"gc", "compile_gc", "twin_wait_seconds", "launcher_head_start_seconds",
+                                               "cudnn_prime", "precompile", "saved_load_seconds"})
     # the profiler pass: per-mode time by group, the convolutions among the top operators
     assert [p["mode"] for p in res["profile"]] == ["eager", "tr"] and "kernels per step" in out.stdout
     for p in res["profile"]:
@@ -245,6 +217,7 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
     assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile"] and res["train_images"] == 40
     tr = res["modes"][0]
     assert tr["images"] == 40 - 2 * 8 + 40 and tr["img_per_sec"] > 0  # rest of epoch 0, all of epoch 1
+    assert tr["startup"]["graphs"] == 0 and "startup" not in res["modes"][1]  # tr_hydra's start-up, on the CPU
     assert 0 <= tr["epoch_switch_wait_seconds"] <= tr["data_wait_seconds"] < tr["seconds"]
     assert 0 <= tr["copy_wait_seconds"] <= tr["data_wait_seconds"]  # part of it: the previous copy out
     assert tr["epochs_read_ahead"] == 1  # epoch 1's reader was built while epoch 0 ran
@@ -372,8 +345,8 @@ def test_tr_bench_cold_epoch_mix_runs_each_mode_in_a_process_of_its_own(tmp_path
     assert dirs[0] != dirs[1] and not any(os.path.exists(d) for d in dirs)
     for r in mix["modes"].values():
         assert r["img_per_sec"] > 0 and r["first_step_of_all_variants_seconds"] > 0
-    if sys.platform.startswith("linux"):  # the mode's process, from its start to its trainer's
-        before = mix["modes"]["tr"]["process_seconds_before_trainer"]
+    if sys.platform.startswith("linux"):  # the mode's process, from its start to its runtime's
+        before = mix["modes"]["tr"]["process_seconds_before_runtime"]
         assert 0 < before < 300, before
         assert f"{before + mix['modes']['tr']['first_step_of_all_variants_seconds']:.1f}s since the process started" \
             in out.stdout

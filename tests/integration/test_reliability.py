@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tr_hydra.compiler.compile import compile_plan
 from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
-from tr_hydra.runtime import checkpoint as ck
+from tr_hydra.train import checkpoint as ck
 from tr_hydra.runtime.guards import MemoryPlanError, NonFiniteError, check_memory
-from tr_hydra.runtime.runner import Trainer
+from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config
 from tests.integration.test_cli import ENV, _cli

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tr_hydra.config.plan_config import TrainerSpec
-from tr_hydra.runtime import checkpoint as ck
-from tr_hydra.runtime.runner import Trainer
+from tr_hydra.train import checkpoint as ck
+from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config
 from tests.integration.test_cli import run

@@ -245,7 +245,7 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
     import dataclasses
     from tests.helpers import small_config
     from tr_hydra.memory.regions import MATRIX_KINDS, series_span
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.train.trainer import Trainer
     failures, states = [], {}
     for kernels, share in (("torch", True), ("triton", True), ("triton", False)):
         pc = small_config(device=dev.type, amp=True, amp_dtype="fp16", max_steps=4, train_size=64, val_size=32,

@@ -1,4 +1,4 @@
-"""runtime.autotune_flush=fit: the size Inductor's benchmarker gives its L2-flush buffer, under the
+"""The autotune flush: the size Inductor's benchmarker gives its L2-flush buffer, under the
 wrapper, against the room it is told; the benchmarker restored afterwards. The sizing goes
 through InductorBenchmarker's own ``get_device_cache_size`` (the code that sizes the real buffer);
 only the timing body is replaced, since it needs a GPU."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_hydra.runtime import autotune_flush as af
+from tr_hydra.startup import autotune_flush as af
 
 bm = pytest.importorskip("torch._inductor.runtime.benchmarking")
 
@@ -98,30 +98,10 @@ def test_this_pytorch_sizes_its_buffer_from_the_override():
         assert af._overridable(bm.benchmarker)
 
 
-def test_the_trainer_uses_it_only_with_inductor(tmp_path):
+def test_the_warm_up_uses_it_only_with_inductor(tmp_path):
     from tests.helpers import small_config
-    from tr_hydra.runtime.runner import Trainer
-    tr = Trainer(small_config(device="cpu"), tmp_path, log=lambda *_: None)
-    with tr._autotune_flush() as rep:
+    from tr_hydra import startup
+    from tr_hydra.runtime.build import Runtime
+    rt = Runtime(small_config(device="cpu"), log=lambda *_: None, source=False)
+    with startup._flush_fit(rt) as rep:
         assert rep is None  # eager on the CPU: nothing autotunes
-    assert tr.pc.runtime.autotune_flush == "fit"
-
-
-def test_the_option_composes_and_a_bad_value_is_a_config_error():
-    from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    assert plan_config_from(compose([])).runtime.autotune_flush == "fit"
-    assert plan_config_from(compose(["runtime.autotune_flush=full"])).runtime.autotune_flush == "full"
-    with pytest.raises(Exception, match="autotune_flush"):  # the CLIs print it as one line
-        plan_config_from(compose(["runtime.autotune_flush=half"]))
-
-
-def test_bench_table_says_how_many_benchmarks_were_cut():
-    from tr_hydra.cli.bench import table
-    rec = {"mode": "tr-inductor", "img_per_sec_median": 100.0, "spread": 0.0, "peak_bytes": 2**20,
-           "first_step_seconds": 3.0, "memory": {"arena_bytes": 2**20},
-           "autotune_flush": {"benchmarks": 109, "cut": 55, "full_bytes": L2, "smallest_bytes": 0,
-                              "supported": True}}
-    assert "ran 109 benchmarks in the warm-up; 55 flushed L2 with less than 60 MiB" in table([rec])
-    rec["autotune_flush"]["benchmarks"] = 0  # warm caches: nothing autotuned, nothing said
-    assert "autotuning" not in table([rec])

@@ -143,30 +143,14 @@ def test_the_tools_keep_it_before_importing_torch(tmp_path):
 
 def test_the_trainer_says_where_once(monkeypatch, tmp_path):
     from tests.helpers import small_config
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.runtime.build import Runtime
     monkeypatch.setattr(bytecode, "_KEPT", {"path": str(tmp_path / "bc")})
     logs: list[str] = []
     for _ in range(2):  # a sweep's second job, in the same process
-        Trainer(small_config(), tmp_path, log=logs.append, telemetry=False, source=False)
+        Runtime(small_config(), log=logs.append, source=False)
     said = [ln for ln in logs if ln.startswith("Python bytecode:")]
     assert len(said) == 1 and str(tmp_path / "bc") in said[0], logs
     monkeypatch.setattr(bytecode, "_KEPT", {})
     logs.clear()
-    Trainer(small_config(), tmp_path, log=logs.append, telemetry=False, source=False)
+    Runtime(small_config(), log=logs.append, source=False)
     assert not [ln for ln in logs if "bytecode" in ln], logs
-
-
-def test_tr_bench_records_the_host_and_where_bytecode_is_kept(monkeypatch, tmp_path):
-    import torch
-    from tr_hydra.cli.bench import host_info, host_line, python_loop_ms
-    monkeypatch.setattr(bytecode, "_KEPT", {"path": str(tmp_path / "bc")})
-    info = host_info(torch.device("cpu"))
-    assert info["bytecode"] == f"kept by tr_hydra in {tmp_path / 'bc'}"
-    assert info["cores"] == os.cpu_count() and info["python_loop_ms"] > 0 and "gpu" not in info
-    assert host_line(info).startswith(f"host: {info['cpu']}, {info['cores']} cores;")
-    monkeypatch.setattr(bytecode, "_KEPT", {})
-    monkeypatch.setattr(sys, "pycache_prefix", None)
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    assert host_info(torch.device("cpu"))["bytecode"] == "not written"
-    # the probe times the loop it is given: ten times the work takes longer
-    assert python_loop_ms(2_000_000) > 3 * python_loop_ms(200_000)

@@ -39,18 +39,3 @@ def test_a_compile_counts_as_compiled_and_the_same_graph_again_as_loaded(tmp_pat
     assert second_phases.get("compile_fx_inner", 0.0) < first_phases["compile_fx_inner"] / 2, (first_phases, second_phases)
     assert list(first_phases.values()) == sorted(first_phases.values(), reverse=True)
     torch._dynamo.reset()
-
-
-def test_tr_bench_prints_each_variants_graphs_and_any_coordinate_descent():
-    from tr_hydra.cli.bench import mix_table
-    r = {"img_per_sec": 9396.0, "first_step_of_all_variants_seconds": 398.6,
-         "step_ms_by_variant": {"train_base": 32.46, "train_last": 15.39},
-         "compile_work_by_variant": {"train_base": {"compiled": 3, "loaded": 0, "coordesc_benchmarks": 2410},
-                                     "train_last": {"compiled": 0, "loaded": 3, "coordesc_benchmarks": 0}}}
-    mix = {"variants": {"train_base": {"batch": 256, "res": 224, "train": True},
-                        "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
-    line = [ln for ln in mix_table(mix).splitlines() if "graphs per variant" in ln]
-    assert line == ["tr: main process's graphs per variant: train_base compiled 3, loaded 0, "
-                    "2,410 coordinate-descent benchmarks; train_last compiled 0, loaded 3"], line
-    r.pop("compile_work_by_variant")  # CPU runs capture no graphs: no line
-    assert "graphs per variant" not in mix_table(mix)

@@ -51,10 +51,12 @@ def test_top_level_booleans_and_interpolated_classes():
     ("variants.batch_size=0", "variants.batch_size"),
     ("variants.batch_size=100000", "training set size"),
     ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
-    ("runtime.precompile_start=fast", "expected one of [auto, spawn, fork]"),
-    ("runtime.precompile_own=val", "expected one of [auto, first, validation]"),
-    ("runtime.maxpool=gathr", "expected one of [auto, gather, native]"),
-    ("runtime.compile_gc=off", "expected one of [deferred, python]"),
+    ("runtime.recompute=all", "expected one of [none, pointwise]"),
+    # options that measured no gain are gone: the usual unknown-key line
+    ("runtime.compile_gc=python", "Key 'compile_gc' not in 'RuntimeConfig'"),
+    ("runtime.backward_streams=2", "Key 'backward_streams' not in 'RuntimeConfig'"),
+    ("variants.pad_last_val=true", "Key 'pad_last_val' not in 'VariantsConfig'"),
+    ("data.mmap=true", "Key 'mmap' not in 'DataConfig'"),
 ])
 def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -92,6 +94,7 @@ def test_imagefolder_without_images_is_a_config_error(tmp_path):
     ("trainer.label_smoothing=1.0", "trainer.label_smoothing"),
     ("runtime.precompile=-1", "runtime.precompile"),
     ("runtime.precompile=off", "runtime.precompile"),
+    ("runtime.saved_store_gb=-1", "runtime.saved_store_gb"),
 ])
 def test_value_ranges(override, needle):
     overrides = [override] + (["variants.lowres_epochs=1"] if "lowres" in override else [])
@@ -104,60 +107,47 @@ def test_value_ranges(override, needle):
         plan_config_from(compose(overrides))
 
 
-def test_rerun_of_a_config_saved_before_runtime_stem_keeps_the_plain_conv(tmp_path):
-    """Runs saved before runtime.stem existed computed the stem with PyTorch's conv; their rerun
-    must too, while a config that has the key keeps its own value."""
+def test_rerun_of_a_config_saved_with_options_since_removed_drops_them_and_says_so(tmp_path, capsys):
+    """A run saved while runtime.stem, runtime.compile_gc and variants.pad_last_val were options
+    reruns without them (what they chose is fixed now), named on one line; every other value
+    is kept, inductor options whole, and the overrides compose."""
     import yaml
 
     from tr_hydra.cli.rerun import rerun_overrides
     (tmp_path / ".hydra").mkdir()
-    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto"}}
-    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert "runtime.stem=conv" in rerun_overrides(tmp_path)
-    cfg["runtime"]["stem"] = "space_to_depth"
+    cfg = {"model": {"name": "resnet_mini", "width": 8},
+           "runtime": {"compile": "none", "stem": "conv", "compile_gc": "deferred",
+                       "inductor_options": {"coordinate_descent_tuning": True}},
+           "variants": {"batch_size": 32, "pad_last_val": False}, "seed": 5}
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     got = rerun_overrides(tmp_path)
-    assert "runtime.stem='space_to_depth'" in got and "runtime.stem=conv" not in got
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(k in err[0] for k in ("runtime.stem", "runtime.compile_gc",
+                                                       "variants.pad_last_val")), err
+    assert not any(k in o for o in got for k in ("stem", "compile_gc", "pad_last_val")), got
+    assert {"model.width=8", "runtime.compile='none'", "variants.batch_size=32", "seed=5",
+            "runtime.inductor_options={coordinate_descent_tuning:true}"} <= set(got), got
+    pc = plan_config_from(compose(got))
+    assert pc.model.width == 8 and pc.seed == 5 and pc.runtime.inductor_options == (("coordinate_descent_tuning", True),)
 
 
-def test_rerun_of_a_config_saved_before_runtime_maxpool_keeps_the_models_pooling(tmp_path):
-    """Runs saved before runtime.maxpool existed ran the model's own nn.MaxPool2d; their rerun
-    composes to native, while a config that has the key keeps its own value."""
+def test_the_runtime_yaml_holds_every_schema_option_with_its_default_and_a_doc():
+    """conf/runtime/default.yaml and the schema declare the same options with the same
+    defaults, each with a one-line comment."""
+    import dataclasses
+    import enum
+    import re
+
     import yaml
 
-    from tr_hydra.cli.rerun import rerun_overrides
-    (tmp_path / ".hydra").mkdir()
-    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto"}}
-    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    got = rerun_overrides(tmp_path)
-    assert "runtime.maxpool=native" in got
-    assert plan_config_from(compose(got)).runtime.maxpool == "native"
-    cfg["runtime"]["maxpool"] = "gather"
-    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    got = rerun_overrides(tmp_path)
-    assert "runtime.maxpool='gather'" in got and "runtime.maxpool=native" not in got
-
-
-def test_rerun_of_a_config_saved_before_stem_channels_reads_the_image_as_it_was(tmp_path):
-    """Runs saved before runtime.stem_channels existed read the image's channels as they are; the
-    default is auto now (padded on CUDA), so their rerun gets null, and composes to it. A config
-    that has the key keeps its own value."""
-    import yaml
-
-    from tr_hydra.cli._common import compose
-    from tr_hydra.cli.rerun import rerun_overrides
-    from tr_hydra.config.plan_config import plan_config_from
-    (tmp_path / ".hydra").mkdir()
-    cfg = {"model": {"name": "resnet50"}, "runtime": {"compile": "auto", "stem": "space_to_depth"}}
-    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    got = rerun_overrides(tmp_path)
-    assert "runtime.stem_channels=null" in got
-    assert plan_config_from(compose(["runtime.stem_channels=null"])).runtime.stem_channels is None
-    cfg["runtime"]["stem_channels"] = "auto"
-    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    got = rerun_overrides(tmp_path)
-    assert "runtime.stem_channels='auto'" in got and "runtime.stem_channels=null" not in got
-    assert plan_config_from(compose(["runtime.stem_channels='auto'"])).runtime.stem_channels == "auto"
+    from tr_hydra.config.schema import RuntimeConfig
+    text = (config_dir() / "runtime" / "default.yaml").read_text()
+    values = yaml.safe_load(text)
+    fields = {f.name: f.default.value if isinstance(f.default, enum.Enum) else f.default
+              for f in dataclasses.fields(RuntimeConfig)}
+    assert values == fields
+    lines = [ln for ln in text.splitlines() if re.match(r"^[a-z_]+:", ln)]
+    assert len(lines) == len(fields) and all("# " in ln for ln in lines), lines
 
 
 def test_inductor_options_are_checked_and_kept_as_sorted_pairs():

@@ -1,5 +1,7 @@
-"""runtime.prime_cudnn: the convolutions a step runs, found on the meta device, against forward
-hooks on a real CPU run of the same model; and their replay."""
+"""cuDNN's search before the first step (startup.cudnn): the convolutions a step runs, found on
+the meta device, against forward hooks on a real CPU run of the same model; their replay; and
+the search ahead beside the first compile."""
+import contextlib
 from collections import Counter
 
 import pytest
@@ -8,7 +10,7 @@ import torch.nn as nn
 import torchvision
 
 from tr_hydra.models.stem import ImageConv2d, fold_input, fold_weight, space_to_depth_stem
-from tr_hydra.runtime import cudnn_prime as cp
+from tr_hydra.startup import cudnn as cp
 
 
 def _hooked(model: nn.Module, x: torch.Tensor, train: bool):
@@ -108,44 +110,53 @@ def test_tensor_spec_bytes_cover_padded_strides():
     assert t.stride() == (80, 1, 20, 4) and torch.isfinite(t).all()
 
 
+def _runtime(pc=None, logs=None):
+    from tests.helpers import small_config
+    from tr_hydra.runtime.build import Runtime
+    return Runtime(pc or small_config(), log=logs.append if logs is not None else (lambda *_: None), source=False)
+
+
 def test_no_search_on_cpu_or_when_deterministic(monkeypatch):
+    import dataclasses
+    from tests.helpers import small_config
+    from tr_hydra.startup import get_ready
     assert not cp.searches(torch.device("cpu"))
-    from tests.helpers import small_config
-    from tr_hydra.runtime.runner import Trainer
-    tr = Trainer(small_config(), run_dir=".", log=lambda *_: None, telemetry=False, source=False)
-    assert tr.prime_cudnn() is None and tr.cudnn_prime is None
+    rt = _runtime()
+    assert cp.calls_of(rt) is None and cp.search_now(rt) is None
+    assert get_ready(rt, None, lambda *_: None).cudnn is None
+    # on CUDA, cuDNN searches where the runtime turned its benchmark mode on: not when deterministic
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert not cp.searches(cuda)
+    try:
+        _runtime()
+        assert cp.searches(cuda)
+        pc = small_config()
+        _runtime(dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, deterministic=True)))
+        assert not cp.searches(cuda)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
-def test_bench_reports_the_search_time():
-    from tr_hydra.cli.bench import table
-    rec = {"mode": "tr-inductor", "img_per_sec_median": 100.0, "spread": 0.0, "peak_bytes": 2**20,
-           "first_step_seconds": 3.0, "memory": {"arena_bytes": 2**20},
-           "cudnn_prime": {"convolutions": 46, "seconds": 12.84}}
-    out = table([rec])
-    assert "cuDNN's search for 46 convolutions before the first step took 12.8s (runtime" in out
-    rec["cudnn_prime"].update(in_first_compile=True, ahead_seconds=41.2, waited=3.04)
-    assert ("took 12.8s, at the end of the first compile, after 41.2s on a thread beside it "
-            "(waited 3.0s)") in table([rec])
-    rec["cudnn_prime"]["ahead_error"] = "ValueError: no index"
-    assert ("took 12.8s, at the end of the first compile (the thread's search beside it failed: "
-            "ValueError: no index)") in table([rec])
-    del rec["cudnn_prime"]
-    assert "cuDNN" not in table([rec])
-
-
-def test_a_model_the_meta_device_cannot_run_leaves_the_search_to_the_steps(monkeypatch, tmp_path):
-    from tests.helpers import small_config
-    from tr_hydra.runtime.runner import Trainer
+def test_a_model_the_meta_device_cannot_run_leaves_the_search_to_the_steps(monkeypatch):
     logged = []
-    tr = Trainer(small_config(), run_dir=tmp_path, log=logged.append, telemetry=False, source=False)
-    h = tr.model.register_forward_pre_hook(lambda m, a: a[0].sum().item())  # no values on meta
+    rt = _runtime(logs=logged)
+    h = rt.model.register_forward_pre_hook(lambda m, a: a[0].sum().item())  # no values on meta
     monkeypatch.setattr(cp, "searches", lambda device: True)
-    assert tr.prime_cudnn() is None and tr.cudnn_prime is None
+    phases = {}
+    assert cp.search_now(rt, logged.append, phases) is None
     assert any("does not run on the meta device" in m and "cuDNN searches inside the first steps" in m
                for m in logged), logged
+    assert phases["record_convs"] > 0
     h.remove()
-    rep = tr.prime_cudnn()  # the same trainer, recordable: primed (on the CPU the runs just run)
-    assert rep is not None and rep.calls > 0 and tr.cudnn_prime is rep
+    rep = cp.search_now(rt, logged.append)  # the same runtime, recordable: searched (on the CPU the runs just run)
+    every = [c for v in rt.pc.variants for c in cp.record(rt.model, v.batch, 3, v.res, torch.float32, v.train)]
+    assert rep is not None and rep.calls == len(cp.unique(every)) > 0
+    assert logged[-1] == f"cuDNN searched {rep.calls} convolutions before the first step in {rep.seconds:.1f}s"
 
 
 def _slow_prime(monkeypatch, seconds=0.8):
@@ -295,35 +306,43 @@ def test_closing_the_search_ahead_with_no_compile_stops_its_thread(monkeypatch):
     assert 1 <= len(ran) <= 15, len(ran)
 
 
-def test_a_later_trainer_of_the_same_model_searches_before_the_warm_up(monkeypatch, tmp_path):
-    """Dynamo may reuse the first trainer's compiled forward (it guards on the module's
-    structure), so a later trainer of the same model in the process (a sweep's next job) gets
-    no compile to search at the end of: it searches before its warm-up instead."""
+def _searchable(monkeypatch):
+    """cuDNN searching and the capture stream as on CUDA (the searches run on the CPU), and no
+    model forward compiled yet in this process."""
     import types
-    from tests.helpers import small_config
-    from tr_hydra.runtime import graphs, runner
-    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
+    from tr_hydra.runtime import graphs
+    monkeypatch.setattr(cp, "_COMPILED_FORWARDS", set())
     monkeypatch.setattr(cp, "searches", lambda device: True)
     monkeypatch.setattr(graphs, "capture_stream", lambda device: types.SimpleNamespace(wait_stream=lambda s: None))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
-    jobs = []
-    for i in range(2):
-        tr = runner.Trainer(small_config(), run_dir=tmp_path / str(i), log=lambda *_: None, telemetry=False,
-                            source=False)
-        tr.inductor = True  # as on CUDA
-        jobs.append(tr._search_ahead())
-    assert isinstance(jobs[0], cp.BeforeFirstRun) and jobs[1] is None
-    jobs[0].close()
-    # a trainer that clears Dynamo's compiled code (another recompute mode) is sure to compile
+
+
+def _inductor_runtime(pc=None):
+    rt = _runtime(pc)
+    rt.inductor = True  # as on CUDA
+    return rt
+
+
+def test_a_later_runtime_of_the_same_model_searches_before_the_warm_up(monkeypatch):
+    """Dynamo may reuse the first runtime's compiled forward (it guards on the module's
+    structure), so a later runtime of the same model in the process (a sweep's next job) gets
+    no compile to search at the end of: it searches before its warm-up instead."""
     import dataclasses
+    from tests.helpers import small_config
     from tr_hydra.runtime import recompute
+    _searchable(monkeypatch)
+    jobs = [cp.search_ahead(_inductor_runtime(), False) for _ in range(2)]
+    assert isinstance(jobs[0], cp.BeforeFirstRun) and jobs[1] is None
+    assert jobs[0].close() is None  # no compile came
+    # a runtime that clears Dynamo's compiled code (another recompute mode) is sure to compile
     monkeypatch.setattr(recompute, "_compiled_with", [("none", ())])
     pc = small_config(compile="inductor")
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise"))
-    tr = runner.Trainer(pc, run_dir=tmp_path / "p", log=lambda *_: None, telemetry=False, source=False)
-    job = tr._search_ahead()
+    rt = _runtime(dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise")))
+    assert rt.forward_dropped
+    job = cp.search_ahead(rt, False)
     assert isinstance(job, cp.BeforeFirstRun)
     job.close()
+    assert cp.search_ahead(_runtime(), True) is None  # no Inductor: no compile to end it
 
 
 def test_a_whole_compile_ends_the_search_ahead_as_dynamos_callback_does(monkeypatch):
@@ -345,31 +364,128 @@ def test_a_whole_compile_ends_the_search_ahead_as_dynamos_callback_does(monkeypa
     assert main == [threading.get_ident()] and len(runs) == 2 and rep.waited > 0.1 and rep.in_first_compile
 
 
-def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch, tmp_path):
-    """The first variant warmed up loads a compile kept by an earlier run: no compile comes
-    before its convolutions run, so the search is done before the warm-up. One compiled whole
-    here (``_own_whole``) always comes, even for a model whose forward Dynamo compiled before."""
+def test_a_whole_compile_of_the_first_variant_is_searched_at_even_for_a_forward_compiled_before(monkeypatch):
+    """One compiled whole here (``whole_first``: the recorder tells the job) always comes, even
+    for a model whose forward Dynamo compiled before."""
+    _searchable(monkeypatch)
+    cp.search_ahead(_inductor_runtime(), False).close()  # this model's forward: compiled from now on
+    rt = _inductor_runtime()
+    assert cp.search_ahead(rt, False) is None  # Dynamo may reuse it
+    job = cp.search_ahead(rt, True)
+    assert isinstance(job, cp.BeforeFirstRun)
+    job.close()
+
+
+class _Kept:
+    """KeptCompiles as ``get_ready`` uses it: ``found``, and ``preloading`` (whether it is on)."""
+
+    def __init__(self, found):
+        self.found = dict.fromkeys(found, "kept.forward")
+        self.loading = False
+
+    @contextlib.contextmanager
+    def preloading(self, model):
+        self.loading = True
+        try:
+            yield
+        finally:
+            self.loading = False
+
+
+@pytest.mark.parametrize("case", ["first kept", "own compiled whole", "first traced", "none ahead"])
+def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch, case):
+    """``get_ready``: the first variant warmed up loads a compile kept by an earlier run: no
+    compile comes before its convolutions run, so the search is done before the warm-up (while
+    the kept compiles load on a thread). One compiled here is searched at the end of its compile:
+    whole (the recorder tells the job) or through Dynamo."""
     import types
+    from tr_hydra import startup
     from tests.helpers import small_config
-    from tr_hydra.runtime import graphs, runner
-    monkeypatch.setattr(runner, "_COMPILED_FORWARDS", set())
-    monkeypatch.setattr(cp, "searches", lambda device: True)
-    monkeypatch.setattr(graphs, "capture_stream", lambda device: types.SimpleNamespace(wait_stream=lambda s: None))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
-    tr = runner.Trainer(small_config(), run_dir=tmp_path / "a", log=lambda *_: None, telemetry=False, source=False)
-    tr.inductor = True
-    tr._stored = {"train_base": "kept.forward"}
-    assert tr._search_ahead("train_base") is None
-    job = tr._search_ahead("train_last")  # another first variant: compiled here through Dynamo
-    assert isinstance(job, cp.BeforeFirstRun)
-    job.close()
-    tr = runner.Trainer(small_config(), run_dir=tmp_path / "b", log=lambda *_: None, telemetry=False, source=False)
-    tr.inductor = True
-    assert tr._search_ahead("train_base") is None  # Dynamo may reuse the first trainer's forward
-    tr._own_whole = ["train_base"]
-    job = tr._search_ahead("train_base")
-    assert isinstance(job, cp.BeforeFirstRun)
-    job.close()
+    from tr_hydra.runtime import graphs
+    pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)  # train_base, train_last, val_base
+    rt = types.SimpleNamespace(pc=pc, device=torch.device("cuda"), inductor=True, model=None, graphs=None,
+                               ex=types.SimpleNamespace(recorder=None, compile_options={}))
+    own, whole, found = {"first kept": (None, [], ["train_base"]),
+                         "own compiled whole": ("val_base", ["val_base"], ["train_base"]),
+                         "first traced": (None, [], []),
+                         "none ahead": (None, [], ["train_last"])}[case]
+    events = []
+    plan = types.SimpleNamespace(own=own, whole=whole, pre=None, kc=_Kept(found),
+                                 load=lambda rt, v, rep, log: events.append(("load", v)),
+                                 keep=lambda rt, rep, log: events.append("keep"))
+
+    class Job:
+        def compiled(self):
+            events.append("compiled")
+
+        def close(self):
+            events.append("close")
+            return cp.PrimeReport(3, 0.1, 0, in_first_compile=True)
+
+    def search_ahead(rt_, whole_first, log=print, phases=None):
+        assert rt_ is rt
+        events.append(("ahead", whole_first))
+        return None if case == "none ahead" else Job()
+
+    def search_now(rt_, log=print, phases=None):
+        events.append(("now", plan.kc.loading))
+        return cp.PrimeReport(3, 0.1, 0)
+
+    class Graphs:
+        train, val, warmup_seconds, warmup_work, warmup_phases = [], [], {}, {}, {}
+        graph_seconds = capture_seconds = 0.0
+        peak_after_warmup = 0
+
+        def __init__(self, ex):
+            pass
+
+        def capture(self, train_v, val_v, warmup_steps, before_variant, next_variant, before_capture):
+            first = next_variant(train_v + val_v)
+            before_variant(first)
+            events.append(("warm up", first))
+            if rt.ex.recorder is not None and first in rt.ex.recorder.paths:
+                rt.ex.recorder.on_compiled()  # its whole compile ends, before its code runs
+            before_capture()
+            events.append("capture")
+
+    monkeypatch.setattr(startup, "_Plan", lambda rt, launcher, log: plan)
+    monkeypatch.setattr(startup, "_flush_fit", lambda rt: contextlib.nullcontext())
+    monkeypatch.setattr(cp, "search_ahead", search_ahead)
+    monkeypatch.setattr(cp, "search_now", search_now)
+    monkeypatch.setattr(graphs, "CudaGraphs", Graphs)
+    rep = startup.get_ready(rt, None, lambda *_: None)
+    first = own or "train_base"
+    warm_up = [("load", first), ("warm up", first)]
+    assert events == {
+        "first kept": [("now", True)] + warm_up + ["capture", "keep"],
+        "own compiled whole": [("ahead", True)] + warm_up + ["compiled", "close", "capture", "keep"],
+        "first traced": [("ahead", False)] + warm_up + ["close", "capture", "keep"],
+        "none ahead": [("ahead", False), ("now", True)] + warm_up + ["capture", "keep"]}[case], events
+    assert rep.cudnn is not None and rep.cudnn.in_first_compile == (case in ("own compiled whole", "first traced"))
+
+
+def test_settle_reports_the_search_ahead_or_why_the_steps_searched():
+    class Job:
+        def __init__(self, out):
+            self.out = out
+
+        def close(self):
+            if isinstance(self.out, BaseException):
+                raise self.out
+            return self.out
+    logs = []
+    rep = cp.PrimeReport(12, 1.4, 0, in_first_compile=True, ahead_seconds=3.5, waited=0.3)
+    assert cp.settle(Job(rep), logs.append) is rep
+    assert logs == [("cuDNN searched 12 convolutions at the end of the first compile, after a thread's search "
+                     "beside it (3.5s, waited 0.3s), in 1.4s")]
+    assert cp.settle(Job(None), logs.append) is None
+    assert logs[-1] == "cuDNN search: no compile came in the warm-up; cuDNN searched inside the first steps"
+    assert cp.settle(Job(RuntimeError("\nCUDNN_STATUS_INTERNAL_ERROR\nmore")), logs.append) is None
+    assert logs[-1] == ("cuDNN search: the search at the end of the first compile failed "
+                        "(CUDNN_STATUS_INTERNAL_ERROR); cuDNN searched inside the first steps instead")
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="no room"):
+        cp.settle(Job(torch.cuda.OutOfMemoryError("no room for the workspace")), logs.append)
+    assert len(logs) == 3
 
 
 def test_meta_runs_with_batchnorm_memoized_give_the_same_shapes_saved_bytes_and_convolutions():
@@ -396,94 +512,3 @@ def _distinct_calls(n: int):
     return [cp.ConvCall(False, cp.TensorSpec((1, c, 4, 4), (16 * c, 16, 4, 1), torch.float32),
                         cp.TensorSpec((c, c, 1, 1), (c, 1, 1, 1), torch.float32), (1, 1), (0, 0), (1, 1),
                         False, (0, 0), 1) for c in range(1, n + 1)]
-
-
-def test_shares_of_the_search_cover_every_distinct_call_once_from_the_end():
-    calls = cp.record(torchvision.models.resnet18(num_classes=7), 2, 3, 32, torch.float32, True)
-    calls = calls + calls[:5]  # duplicates, as several variants give
-    todo = cp.unique(calls)
-    shares = [cp.share_of(calls, k, 5) for k in range(5)]
-    flat = [c for s in shares for c in s]
-    assert len(flat) == len(set(flat)) == len(todo)  # every distinct call, once
-    assert set(flat) == set(todo)
-    assert shares[0][0] == todo[-1] and shares[1][0] == todo[-2]  # the main process starts at todo[0]
-    assert max(map(len, shares)) - min(map(len, shares)) <= 1
-    for bad in ((5, 5), (-1, 5), (0, 0)):
-        with pytest.raises(ValueError):
-            cp.share_of(calls, *bad)
-
-
-def _timed_runs(monkeypatch, seconds=0.1):
-    import threading
-    import time
-    ran = []
-
-    def run(self, device):
-        time.sleep(seconds)
-        ran.append((threading.get_ident(), time.perf_counter()))
-    monkeypatch.setattr(cp.ConvCall, "run", run)
-    return ran
-
-
-def test_a_share_runs_beside_the_compile_and_ends_before_the_compiled_code_runs(monkeypatch):
-    """In a parallel compile's process: the share runs on a thread while Dynamo compiles; at the
-    end of the compile on the owner thread it is stopped after the convolution in progress, and
-    ``after`` (cuDNN's search off) runs before the compiled code does; a compile on another
-    thread does not end it."""
-    import threading
-    import time
-    torch._dynamo.reset()
-    ran = _timed_runs(monkeypatch)
-    ended = []
-    job = cp.ShareBeforeRun(_distinct_calls(40), torch.device("cpu"),  # 4 s of runs in all
-                            after=lambda: ended.append(time.perf_counter()))
-    other = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
-    t = threading.Thread(target=lambda: other(torch.ones(2)))
-    t.start()
-    t.join()
-    assert ended == [] and job._thread.is_alive()
-    time.sleep(0.35)
-    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
-    out = f(torch.ones(3))
-    returned = time.perf_counter()
-    assert torch.equal(out, torch.full((3,), 2.0))
-    assert len(ended) == 1 and ended[0] <= returned and not job._thread.is_alive()
-    assert all(r[0] != threading.get_ident() and r[1] <= ended[0] for r in ran)
-    assert 1 <= len(ran) < 40, len(ran)
-    rep = job.close()
-    assert len(ended) == 1  # once
-    assert job.calls == 40 and rep.calls == len(ran) and job.error == ""
-    from torch._dynamo.callback import callback_handler
-    assert job._cb not in callback_handler.end_callbacks
-
-
-def test_a_share_closed_with_no_compile_stops_its_thread_and_runs_after(monkeypatch):
-    torch._dynamo.reset()
-    ran = _timed_runs(monkeypatch)
-    ended = []
-    job = cp.ShareBeforeRun(_distinct_calls(40), torch.device("cpu"), after=lambda: ended.append(1))
-    import time
-    time.sleep(0.25)
-    rep = job.close()
-    assert ended == [1] and not job._thread.is_alive() and 1 <= rep.calls == len(ran) < 40
-
-
-def test_a_share_that_fails_says_why_and_still_runs_after(monkeypatch):
-    torch._dynamo.reset()
-
-    def run(self, device):
-        raise RuntimeError("CUDA error: out of memory\nmore")
-    monkeypatch.setattr(cp.ConvCall, "run", run)
-    ended = []
-    job = cp.ShareBeforeRun(_distinct_calls(3), torch.device("cpu"), after=lambda: ended.append(1))
-    assert job.close() is None and ended == [1]
-    assert job.error == "RuntimeError: CUDA error: out of memory"
-
-
-def test_the_driver_cache_setting_decides_whether_shares_run(monkeypatch):
-    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
-    assert cp.jit_cache_shared()
-    monkeypatch.setenv("CUDA_CACHE_DISABLE", "0")
-    assert cp.jit_cache_shared()
-    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
-    assert not cp.jit_cache_shared()

@@ -150,14 +150,14 @@ def test_applied_only_where_the_installed_form_is_faulty(monkeypatch):
 def test_a_trainer_compiling_with_inductor_installs_the_fix_and_says_so_when_it_tunes(tmp_path, monkeypatch, tune):
     import dataclasses
     from tests.helpers import small_config
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.runtime.build import Runtime
     monkeypatch.setattr(ic, "_APPLIED", [])
     monkeypatch.setattr(th.CachingAutotuner, "recheck_autotune_cache", recheck_2_11)  # as on 2.11
     pc = small_config(compile="inductor")
     opts = (("coordinate_descent_tuning", True),) if tune else ()
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, inductor_options=opts, precompile=0))
     logs = []
-    Trainer(pc, tmp_path, log=logs.append, telemetry=False, source=False)
+    Runtime(pc, log=logs.append, source=False)
     assert th.CachingAutotuner.recheck_autotune_cache is ic.fixed_recheck_autotune_cache
     said = [str(ln) for ln in logs if "172819" in str(ln)]
     assert len(said) == (1 if tune else 0), logs

@@ -1,8 +1,7 @@
-"""runtime.maxpool=gather: max pooling with a backward that gathers each input element's gradient
+"""Max pooling with a backward that gathers each input element's gradient
 from the windows holding it, against PyTorch's own max pooling (eager autograd, Inductor)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from torch import nn
 from tests.helpers import small_config
 from tr_hydra.ops.maxpool import (GatherMaxPool2d, eligible, gather_maxpools, indices_to_offsets,
                                   offsets_to_indices, uses_gather)
-from tr_hydra.runtime.runner import Trainer
+from tr_hydra.train.trainer import Trainer
 
 GEOMETRIES = [((2, 5, 13, 11), (3, 2, 1)), ((3, 4, 8, 8), (2, 2, 0)), ((2, 3, 9, 10), (3, 1, 1)),
               ((1, 2, 7, 7), (5, 3, 2)), ((2, 6, 12, 12), (3, 3, 0))]
@@ -78,11 +77,10 @@ def test_only_the_poolings_it_covers_are_swapped():
     assert gather_maxpools(nn.Sequential(nn.Conv2d(3, 3, 3), nn.MaxPool2d(2, ceil_mode=True))) == []
 
 
-def test_auto_is_gather_on_cuda_with_inductor_only():
-    assert uses_gather("auto", "cuda", "auto") and uses_gather("auto", "cuda", "inductor")
-    assert not uses_gather("auto", "cuda", "none") and not uses_gather("auto", "cpu", "auto")
-    assert not uses_gather("auto", "cpu", "inductor") and not uses_gather("native", "cuda", "auto")
-    assert uses_gather("gather", "cpu", "none")
+def test_it_is_used_on_cuda_with_inductor_only():
+    assert uses_gather("cuda", "auto") and uses_gather("cuda", "inductor")
+    assert not uses_gather("cuda", "none") and not uses_gather("cpu", "auto")
+    assert not uses_gather("cpu", "inductor") and not uses_gather("cpu", "none")
 
 
 def test_inductor_compiles_it_to_pytorchs_gradients():
@@ -114,19 +112,22 @@ def test_the_kernel_matches_pytorchs_backward_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]
 
 
-def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path):
-    """runtime.maxpool=gather through the trainer (eager on the CPU, resnet18 with its stem's
-    pooling): three steps end where runtime.maxpool=native's do, and the swap is logged."""
+def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, monkeypatch):
+    """The gathering max pooling through the trainer (as on CUDA with Inductor; here eager on the
+    CPU, resnet18 with its stem's pooling): three steps end where the model's own pooling's do,
+    and the swap is logged."""
+    from tr_hydra.ops import maxpool
     out, logs = {}, []
     for mode in ("native", "gather"):
         torch.manual_seed(0)
         pc = small_config(model="resnet18", max_steps=3, res=32, val_res=32, lowres_res=32, batch=8,
                           train_size=24, val_size=8, val_batch=8)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, maxpool=mode))
+        monkeypatch.setattr(maxpool, "uses_gather", lambda *a, _on=mode == "gather": _on)
         tr = Trainer(pc, tmp_path / mode, log=logs.append)
         tr.fit()
         out[mode] = tr.final_state_dict()
-    assert any(str(ln).startswith("runtime.maxpool: maxpool's backward gathers") for ln in logs), logs
+        assert any(isinstance(m, maxpool.GatherMaxPool2d) for m in tr.model.modules()) == (mode == "gather")
+    assert any(str(ln).startswith("max pooling: maxpool's backward gathers") for ln in logs), logs
     assert out["gather"].keys() == out["native"].keys()
     for k, ref in out["native"].items():
         torch.testing.assert_close(out["gather"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
@@ -165,16 +166,15 @@ def test_its_compile_is_cached_for_the_next_process(tmp_path):
 
 
 def test_the_plan_counts_a_byte_per_pooled_output_where_the_runner_gathers():
-    """tr-plan's activation estimate follows the swap: with the gathering backward (auto on
-    CUDA with Inductor) the pooling keeps each maximum's place as one byte, where PyTorch's keeps
-    8-byte indices; the rest is the same. (On the H200 at batch 256 the measured peak fell by
-    392 MiB, the size of those indices.)"""
+    """tr-plan's activation estimate follows the swap: with the gathering backward (on CUDA with
+    Inductor) the pooling keeps each maximum's place as one byte, where PyTorch's keeps 8-byte
+    indices (eager on CUDA); the rest is the same. (On the H200 at batch 256 the measured peak
+    fell by 392 MiB, the size of those indices.)"""
     from tr_hydra.compiler.compile import compile_plan
     est = {}
-    for mode in ("auto", "native"):
-        pc = small_config(model="resnet18", device="cuda", compile="auto", batch=8, res=64, val_res=64,
+    for mode in ("auto", "none"):
+        pc = small_config(model="resnet18", device="cuda", compile=mode, batch=8, res=64, val_res=64,
                           lowres_res=64, train_size=16, val_size=8, val_batch=8)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, maxpool=mode))
         est[mode] = compile_plan(pc, fused=False).shapes["train_base"].saved_activation_bytes
     pooled = 8 * 64 * 16 * 16  # 64x64 -> conv1 32x32 -> maxpool 16x16
-    assert est["native"] - est["auto"] == pooled * (8 - 1)
+    assert est["none"] - est["auto"] == pooled * (8 - 1)

@@ -223,12 +223,12 @@ def test_fused_amp_plan_leaves_the_fp32_matrix_gradients_out():
 
 
 def test_executor_refuses_a_plan_without_the_gradients_it_would_write(tmp_path, monkeypatch):
-    from tr_hydra.runtime import runner
-    real = runner.compile_plan
-    monkeypatch.setattr(runner, "compile_plan", lambda pc, fused=None: real(pc, fused=True))
+    from tr_hydra.runtime import build
+    real = build.compile_plan
+    monkeypatch.setattr(build, "compile_plan", lambda pc, fused=None: real(pc, fused=True))
     pc = small_config(amp=True)  # on the CPU: the plain-torch kernels, which write them
     with pytest.raises(RuntimeError, match="leaves the fp32 matrix gradients out.*no fused kernels"):
-        runner.Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)
+        build.Runtime(pc, log=lambda *_: None, source=False)
 
 
 def test_16bit_gradients_lie_on_the_16bit_weights_bytes():

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import instantiate_model
 from tr_hydra.config.plan_config import OptimizerSpec
-from tr_hydra.runtime.runner import Trainer, epoch_schedule
+from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config
 
@@ -23,7 +24,7 @@ def _is_decayed(model: nn.Module, name: str) -> bool:
 
 
 # The reference is torch.optim on the same model in fp32, NCHW: tr_hydra computes NCHW on CPU
-# too (see runtime.runner.nchw_compute_on_cpu for why), so both run the same kernels.
+# too (see runtime.model_prep.nchw_compute_on_cpu for why), so both run the same kernels.
 def _reference(pc, steps, source, make_opt, dtype=torch.float32):
     torch.manual_seed(pc.seed)
     model = instantiate_model(pc).to(dtype)

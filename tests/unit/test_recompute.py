@@ -102,7 +102,7 @@ def test_the_plan_counts_less_activation_memory_only_with_inductor():
 
 
 def test_trainer_compiles_under_the_options(tmp_path):
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.train.trainer import Trainer
     pc = small_config(compile="inductor")
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise", precompile=0))
     logs = []
@@ -110,17 +110,6 @@ def test_trainer_compiles_under_the_options(tmp_path):
     assert getattr(tr.ex.forward_fn, "recompute", None) == "pointwise"
     assert any("runtime.recompute=pointwise" in line for line in logs)
     tr.close()
-
-
-def test_tr_bench_has_a_recompute_mode_beside_the_default():
-    from tr_hydra.cli.bench import _modes, tr_runtime
-    from tr_hydra.config.plan_config import RuntimeSpec
-    rt = RuntimeSpec(stem="conv")
-    assert tr_runtime("tr-recompute", rt) == dataclasses.replace(rt, compile="inductor", recompute="pointwise")
-    assert tr_runtime("tr-inductor", rt) == dataclasses.replace(rt, compile="inductor")
-    assert tr_runtime("tr", rt) == dataclasses.replace(rt, compile="none")
-    assert _modes(["reduce-overhead", "tr-inductor", "tr-recompute"], torch.device("cpu")) == \
-        ["reduce-overhead", "tr-inductor", "tr-recompute"]
 
 
 def test_a_change_of_recompute_mode_clears_dynamos_compiled_code(monkeypatch):
@@ -160,7 +149,7 @@ def test_a_second_trainer_with_another_recompute_mode_compiles_again_and_leaves_
     import torch._inductor.config as ic
     from torch._dynamo.utils import counters
     from tr_hydra.runtime import recompute
-    from tr_hydra.runtime.runner import Trainer
+    from tr_hydra.train.trainer import Trainer
     torch._dynamo.reset()
     monkeypatch.setattr(recompute, "_compiled_with", [])
     compiles = []

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from tr_hydra.compiler.compile import compile_plan
 from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
 from tr_hydra.memory.regions import MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
-from tr_hydra.runtime.runner import Trainer, epoch_schedule, val_schedule
+from tr_hydra.runtime.build import Runtime
+from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
+from tr_hydra.train.trainer import Trainer
 from tr_hydra.runtime.schedule import lr_at
 
 from tests.helpers import small_config
@@ -111,14 +113,10 @@ def test_bn_folding_gives_the_same_logits(tmp_path):
     assert not torch.equal(plain, folded)  # a different computation, not the same path
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["val_last", "padded"])
-def test_val_metrics_match_eager_reference(tmp_path, pad):
-    """With ``variants.pad_last_val`` the last 6 samples run in val_base's 32-row graph, the
-    rest of the buffer left from the batch before: the metrics still count exactly those 6."""
-    tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32, pad_last_val=pad)
-    assert tr.pc.has_variant("val_last") is not pad
-    if pad:
-        assert val_schedule(tr.pc)[-1] == ("val_base", 2, 6)
+def test_val_metrics_match_eager_reference(tmp_path):
+    """The last 6 samples run in val_last's graph: the metrics count exactly the 70 samples."""
+    tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32)
+    assert val_schedule(tr.pc)[-1] == ("val_last", 2, 6)
     tr.fit()
     out = tr.validate()["val"]
     tr.model.eval()
@@ -156,49 +154,6 @@ def test_six_variants_and_epoch_schedules():
     assert {v for v, _, _ in e2} == {"train_base", "train_last"}
     assert sum(size for _, _, size in e0) == 200  # nothing dropped
     assert sum(size for _, _, size in val_schedule(pc)) == 70
-
-
-def test_a_padded_last_validation_batch_needs_no_variant_of_its_own():
-    pc = small_config(train_size=200, batch=32, val_size=70, val_batch=32, lowres_epochs=2, epochs=3,
-                      pad_last_val=True)
-    assert [v.name for v in pc.variants] == ["train_base", "train_last", "train_lowres", "train_lowres_last",
-                                             "val_base"]  # the training last batches keep theirs
-    assert val_schedule(pc) == [("val_base", 0, 32), ("val_base", 1, 32), ("val_base", 2, 6)]
-    even = small_config(val_size=64, val_batch=32, pad_last_val=True)
-    assert val_schedule(even) == [("val_base", 0, 32), ("val_base", 1, 32)]  # nothing to pad
-    from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    assert plan_config_from(compose([])).pad_last_val is False
-    pc = plan_config_from(compose(["variants.pad_last_val=true", "variants.val_size=70", "variants.val_batch_size=32"]))
-    assert pc.pad_last_val and not pc.has_variant("val_last") and pc.has_variant("val_base")
-    from tr_hydra.cli.plan import plan_table
-    assert "val_base also runs the last validation batch of 6, padded" in plan_table(compile_plan(pc))
-
-
-def test_padded_rows_count_nowhere_even_when_their_logits_are_not_finite():
-    from tr_hydra.runtime.executor import loss_and_metrics
-    torch.manual_seed(0)
-    k, n, b = 10, 6, 16
-    logits = torch.randn(b, k)
-    labels = torch.randint(0, k, (b,), dtype=torch.int32)
-    labels[n:] = -1
-    logits[n:] = float("nan")  # whatever the buffer held
-    logits[n + 1:, 3] = float("inf")
-    classes = torch.arange(k)
-
-    def run(lg, lb, masked):
-        m = lg.shape[0]
-        result = torch.zeros(4)
-        loss_and_metrics(lg, lb, classes, torch.ones(()), torch.empty(m, k), torch.empty(m, k), None,
-                         torch.empty(m, dtype=torch.int32), result, 0.0, float(m), masked)
-        return result
-    got = run(logits, labels, True)
-    ref = run(logits[:n], labels[:n], False)  # the same samples, no padding
-    assert torch.isfinite(got).all()
-    assert got[3] == n and torch.equal(got[1:3], ref[1:3])
-    assert torch.allclose(got[0], ref[0], rtol=1e-6)
-    assert math.isclose(got[0].item(), F.cross_entropy(logits[:n], labels[:n].long(), reduction="sum").item(),
-                        rel_tol=1e-5)
 
 
 def test_drop_last_removes_last_variants():
@@ -362,7 +317,7 @@ def test_gradients_on_the_16bit_weights_train_exactly_as_with_their_own_bytes(tm
     """With ``plan.share_grad16`` the 16-bit gradients overwrite the 16-bit weights after the
     backward: the weights, optimizer state, BN statistics and 16-bit weights after a run are
     bit-equal to a run whose gradients have their own bytes, and so are the losses."""
-    from tr_hydra.runtime.checkpoint import persistent_regions
+    from tr_hydra.train.checkpoint import persistent_regions
     opt = OptimizerSpec(name=optimizer, lr=1e-3 if optimizer == "adam" else 0.05, schedule="constant")
     runs = {}
     for share in (True, False):
@@ -390,7 +345,7 @@ def test_inductor_step_on_cpu_trains_as_the_eager_step(tmp_path):
     for mode in ("none", "inductor"):
         torch.manual_seed(0)
         tr = Trainer(small_config(compile=mode, max_steps=3), tmp_path / mode, log=lambda *_: None)
-        assert tr.inductor == (mode == "inductor")
+        assert tr.rt.inductor == (mode == "inductor")
         tr.fit()
         out[mode] = tr.final_state_dict()
     assert out["none"].keys() == out["inductor"].keys()
@@ -398,33 +353,6 @@ def test_inductor_step_on_cpu_trains_as_the_eager_step(tmp_path):
         torch.testing.assert_close(out["inductor"][k], ref, rtol=1e-5, atol=1e-5, msg=k)
     # the statistics the compiled graph updates in place moved from their start (zero means)
     assert any(k.endswith("running_mean") and v.abs().max() > 0 for k, v in out["inductor"].items())
-
-
-def test_dynamic_batch_compiles_one_graph_per_split_and_trains_as_the_eager_step(tmp_path):
-    """runtime.dynamic_batch: the variants of one split and resolution (256 and its last batch
-    of 104; validation's 256 and 80) share one compiled forward, the batch a symbol; the steps
-    end where the eager steps do. Without it, each variant compiles its own."""
-    import dataclasses
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    out, graphs = {}, {}
-    for mode, dyn in (("none", False), ("inductor", False), ("inductor", True)):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        pc = small_config(compile=mode, train_size=360, batch=256, val_size=336, val_batch=256, epochs=1)
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, dynamic_batch=dyn))
-        assert sorted((v.batch, v.train) for v in pc.variants) == [(80, False), (104, True), (256, False),
-                                                                  (256, True)]
-        logs = []
-        tr = Trainer(pc, tmp_path / f"{mode}{dyn}", log=logs.append)
-        tr.fit()
-        out[(mode, dyn)] = tr.final_state_dict()
-        graphs[(mode, dyn)] = len(_debug_get_cache_entry_list(type(tr.model).forward.__code__))
-        if dyn:  # which variants share a graph
-            assert tr.graph_of() == {"train_base": "train_base", "train_last": "train_base",
-                                     "val_base": "val_base", "val_last": "val_base"}
-    assert graphs[("inductor", False)] == 4 and graphs[("inductor", True)] == 2, graphs
-    for k, ref in out[("none", False)].items():
-        torch.testing.assert_close(out[("inductor", True)][k], ref, rtol=1e-4, atol=1e-4, msg=k)
 
 
 def test_inductor_options_reach_the_models_compile_and_train_as_the_eager_step(tmp_path):
@@ -462,26 +390,22 @@ def test_inductor_options_without_inductor_are_said_to_do_nothing(tmp_path):
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(
         pc.runtime, inductor_options=(("coordinate_descent_tuning", True),), recompute="pointwise"))
     logs = []
-    Trainer(pc, tmp_path, log=logs.append, telemetry=False, source=False)
+    Runtime(pc, log=logs.append, source=False)
     said = [str(ln) for ln in logs if "has no effect without Inductor" in str(ln)]
     assert said == ["runtime.recompute=pointwise has no effect without Inductor (runtime.compile)",
                     "runtime.inductor_options has no effect without Inductor (runtime.compile)"], logs
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_only_a_validation_batch_with_pad_last_val_may_fill_part_of_a_buffer(tmp_path, pad):
-    tr = _trainer(tmp_path, val_size=70, val_batch=32, pad_last_val=pad)
+def test_a_batch_must_fill_its_variants_buffer(tmp_path):
+    tr = Runtime(small_config(val_size=70, val_batch=32), log=lambda *_: None)
     x, y = tr.source.batch("val", 2, 32, 6, 16)
     full_x, full_y = tr.source.batch("val", 0, 32, 32, 16)
     tr.feeder.put("B", "val_base", (full_x, full_y))
-    if pad:
+    tr.feeder.put("B", "val_last", (x, y))
+    img, lab = tr.ex.input_views("val_last", "B")
+    assert torch.equal(lab, y) and torch.equal(img, x)
+    with pytest.raises(ValueError, match="does not fit"):  # a part of a batch in a full buffer
         tr.feeder.put("B", "val_base", (x, y))
-        img, lab = tr.ex.input_views("val_base", "B")
-        assert torch.equal(lab[:6], y) and (lab[6:] == -1).all()
-        assert torch.equal(img[:6], x) and torch.equal(img[6:], full_x[6:])  # the rest left as it was
-    else:
-        with pytest.raises(ValueError, match="does not fit"):
-            tr.feeder.put("B", "val_base", (x, y))
     tx, ty = tr.source.batch("train", 0, 32, 6, 16)
     with pytest.raises(ValueError, match="does not fit"):  # training never pads
         tr.feeder.put("A", "train_base", (tx, ty))

@@ -1,5 +1,5 @@
-"""runtime.precompile_saved: a variant's forward and backward compiled whole in a parallel-compile
-child, saved, and loaded by the training process without Dynamo (CPU: Inductor's C++ code)."""
+"""Whole compiles: a variant's forward and backward compiled whole in a parallel-compile child,
+saved, and loaded by the training process without Dynamo (CPU: Inductor's C++ code)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +8,17 @@ import pickle
 import pytest
 import torch
 
-from tr_hydra.runtime import precompile as pcm
+from tr_hydra import startup
 from tr_hydra.runtime import saved_compile
+from tr_hydra.runtime.build import Runtime
+from tr_hydra.startup import children as pcm
 from tests.helpers import small_config
 
-
-def test_this_pytorch_can_save_and_load_a_whole_compile():
-    assert saved_compile.supported() == ""
+GiB = 2**30
 
 
-def _fill_inputs(tr, variant: str) -> None:
-    img, lab = tr.ex.input_views(variant, "A")
+def _fill_inputs(rt, variant: str) -> None:
+    img, lab = rt.ex.input_views(variant, "A")
     g = torch.Generator().manual_seed(1)
     img.copy_(torch.randn(img.shape, generator=g).to(img.dtype))
     lab.copy_(torch.randint(0, 10, lab.shape, generator=g))
@@ -26,10 +26,9 @@ def _fill_inputs(tr, variant: str) -> None:
 
 def test_the_childrens_saved_compiles_load_here_and_step_to_the_same_bits(tmp_path, monkeypatch):
     """The Precompiler's real children compile a training and a validation variant whole and
-    save them (with an EMA and the folded BatchNorm of validation). A trainer that loads the
+    save them (with an EMA and the folded BatchNorm of validation). A runtime that loads the
     files and steps both variants ends with the same arena, bit for bit, as one that compiles
     them through Dynamo; the loaded forward refuses an input it was not compiled for."""
-    from tr_hydra.runtime.runner import Trainer
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     pc = small_config(compile="inductor", train_size=80, val_size=40, ema=True, bn_folded=True)
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=2))
@@ -45,24 +44,24 @@ def test_the_childrens_saved_compiles_load_here_and_step_to_the_same_bits(tmp_pa
             assert s[v]["ok"] and s[v]["saved_bytes"][v] > 0 and "saved_errors" not in s[v], s
         arenas = {}
         for mode in ("saved", "traced"):
-            tr = Trainer(pc, tmp_path / mode, log=lambda *_: None, telemetry=False, source=False, launcher=False)
+            rt = Runtime(pc, log=lambda *_: None, source=False)
             if mode == "saved":
                 for v, p in paths.items():
-                    tr.ex.load_saved_forward(v, p)
-            _fill_inputs(tr, "train_last")
-            tr.ex.train_step("train_last", "A")
-            tr.model.eval()
-            with tr.ex.folded():
-                tr.ex.val_step("val_last", "A")
-            tr.model.train()
-            arenas[mode] = tr.arena.arena.clone()
+                    rt.ex.load_saved_forward(v, p)
+            _fill_inputs(rt, "train_last")
+            rt.ex.train_step("train_last", "A")
+            rt.model.eval()
+            with rt.ex.folded():
+                rt.ex.val_step("val_last", "A")
+            rt.model.train()
+            arenas[mode] = rt.arena.arena.clone()
             if mode == "saved":
-                f = tr.ex.saved_forwards["train_last"]
-                x, _ = tr.ex._model_input(saved_compile_ctx("train_last"))
-                tr.model.eval()
+                f = rt.ex.saved_forwards["train_last"]
+                x, _ = rt.ex._model_input(saved_compile_ctx("train_last"))
+                rt.model.eval()
                 with pytest.raises(RuntimeError, match="train_last: called with another input.*training True"):
                     f(x)
-                tr.model.train()
+                rt.model.train()
                 with pytest.raises(RuntimeError, match=r"shape \(\d+, 3, 16, 16\) \(compiled\) against \(2,"):
                     f(x[:2])
     finally:
@@ -106,54 +105,65 @@ def test_a_compile_that_cannot_be_saved_leaves_the_step_to_the_ordinary_compile(
 
 
 def test_the_executor_calls_its_ordinary_forward_where_the_recorder_could_not_save(tmp_path, monkeypatch):
-    from tr_hydra.runtime.runner import Trainer
     monkeypatch.setattr(saved_compile, "compile_forward", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
-    tr = Trainer(small_config(), tmp_path, log=lambda *_: None, telemetry=False, source=False, launcher=False)
-    tr.ex.recorder = saved_compile.Recorder({"train_base": str(tmp_path / "f")})
+    rt = Runtime(small_config(), log=lambda *_: None, source=False)
+    rt.ex.recorder = saved_compile.Recorder({"train_base": str(tmp_path / "f")})
     x = torch.randn(2, 3, 16, 16)
-    assert tr.ex._forward_of("train_base", x) is tr.ex.forward_fn
-    assert "train_base" not in tr.ex.saved_forwards and "disk full" in tr.ex.recorder.errors["train_base"]
+    assert rt.ex._forward_of("train_base", x) is rt.ex.forward_fn
+    assert "train_base" not in rt.ex.saved_forwards and "disk full" in rt.ex.recorder.errors["train_base"]
 
 
-def test_saved_compiles_are_used_only_where_the_compile_is_the_ordinary_one(tmp_path):
-    from tr_hydra.runtime.runner import Trainer
-    logs = []
+def test_saved_compiles_are_used_only_where_the_compile_is_the_ordinary_one(tmp_path, monkeypatch):
+    """A whole compile leaves out runtime.recompute's partitioner options: with them, the
+    children save nothing (they only fill Inductor's caches), this process compiles nothing
+    whole and the saved store is not used; one line says so. Without them, all three are on."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    seen = {}
 
-    def wanted(twins=False, **runtime):
-        pc = small_config()
-        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, **runtime))
-        tr = Trainer(pc, tmp_path / str(len(logs)), log=logs.append, telemetry=False, source=False, launcher=False)
-        return tr._saved_wanted(twins)
+    class Fake:
+        def __init__(self, pc, order, n, log=None, device_index=0, launcher=None, saved=True):
+            seen.update(order=order, saved=saved)
+    monkeypatch.setattr(startup, "Precompiler", Fake)
+    monkeypatch.setattr(startup, "caches_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
 
-    assert wanted() is True
-    n = len(logs)
-    assert wanted(precompile_saved=False) is False and len(logs) == n  # turned off: nothing to say
-    for runtime, why in (({"dynamic_batch": True}, "runtime.dynamic_batch"),
-                         ({"recompute": "pointwise"}, "runtime.recompute"),
-                         ({"reuse_blocks": True}, "runtime.reuse_blocks"),
-                         ({"backward_streams": 2}, "runtime.backward_streams")):
-        assert wanted(**runtime) is False
-        assert any(f"runtime.precompile_saved: not used (not with {why})" in ln for ln in logs), logs
-    assert wanted(twins=True) is False
-    assert any("not with runtime.precompile_backward" in ln for ln in logs), logs
+    def plan(**runtime):
+        pc = small_config(train_size=80, val_size=40)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=1, **runtime))
+        rt = Runtime(pc, log=lambda *_: None, source=False)
+        rt.inductor = True  # as on CUDA
+        logs = []
+        seen.clear()
+        return startup._Plan(rt, None, logs.append), logs
+
+    p, logs = plan()
+    assert seen["saved"] is True and p.kc is not None and p.whole == ["train_base"] and p.own == "train_base"
+    assert not any("no whole compiles" in ln for ln in logs), logs
+    p, logs = plan(recompute="pointwise")
+    assert seen["saved"] is False and p.kc is None and p.whole == [] and p.own == "train_base"
+    assert seen["order"] == [("train_last", True), ("val_base", False), ("val_last", False)]
+    assert any(ln.startswith("runtime.recompute=pointwise: no whole compiles") for ln in logs), logs
 
 
 def test_a_saved_compile_that_does_not_load_is_traced_here_instead(tmp_path):
-    from tr_hydra.runtime.runner import Trainer
     bad = tmp_path / "val_base.forward"
     bad.write_bytes(b"not a pickle")
     logs = []
-    tr = Trainer(small_config(), tmp_path / "run", log=logs.append, telemetry=False, source=False, launcher=False)
+    rt = Runtime(small_config(), log=lambda *_: None, source=False)
 
     class Pre:
         def saved_forward(self, name):
             return str(bad) if name == "val_base" else None
 
-    tr._load_saved(Pre(), "val_base")
-    tr._load_saved(Pre(), "val_last")  # no file from its child: nothing to do
-    assert tr.ex.saved_forwards == {} and tr.saved_load_s == {}
-    assert any(ln.startswith("  val_base: its saved compile did not load (") and ln.endswith("tracing it here")
-               for ln in logs), logs
+    plan = startup._Plan(rt, None, logs.append)  # no Inductor here: a plan of nothing
+    plan.pre = Pre()
+    rep = startup.StartupReport()
+    plan.load(rt, "val_base", rep, logs.append)
+    plan.load(rt, "val_last", rep, logs.append)  # no file from its child: nothing to do
+    assert rt.ex.saved_forwards == {} and rep.loaded_s == {}
+    assert [ln for ln in logs if ln.startswith("  val_base: its saved compile did not load (")
+            and ln.endswith("tracing it here")], logs
+    assert len(logs) == 1, logs
 
 
 def test_the_precompiler_hands_over_only_files_that_done_children_wrote(tmp_path):
@@ -171,13 +181,6 @@ def test_the_precompiler_hands_over_only_files_that_done_children_wrote(tmp_path
     assert pre.saved_forward("train_base") is None  # the main process's own variant
 
 
-def test_the_option_is_on_by_default_and_can_be_turned_off():
-    from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    assert plan_config_from(compose([])).runtime.precompile_saved is True
-    assert plan_config_from(compose(["runtime.precompile_saved=false"])).runtime.precompile_saved is False
-
-
 def test_the_max_pooling_kernel_is_found_by_module_and_name():
     """A saved compile that launches the gathering max-pool backward (a user Triton kernel) finds
     it again by module and name when it is loaded."""
@@ -189,24 +192,3 @@ def test_the_max_pooling_kernel_is_found_by_module_and_name():
     assert _deserialize_triton_kernel(info) is maxpool._kernel()
     with pytest.raises(AttributeError):
         maxpool.no_such_thing  # noqa: B018
-
-
-def test_tr_bench_prints_the_saved_compiles_and_their_loads():
-    from tr_hydra.cli.bench import _precompile_line, mix_table
-    s = {"train_last": {"ok": True, "seconds": 43.4, "start": "fork", "step_s": 40.0,
-                        "saved_s": {"train_last": 34.5}, "saved_bytes": {"train_last": 9_000_000}},
-         "val_last": {"ok": True, "seconds": 17.8, "start": "fork", "step_s": 15.0,
-                      "saved_s": {"val_last": 2.0}, "saved_bytes": {},
-                      "saved_errors": {"val_last": "RuntimeError: cannot serialize"}}}
-    line = _precompile_line(s, 3.8)
-    assert "train_last 43.4s (step 40.0s, compiled whole and saved in 34.5s)" in line, line
-    assert "val_last 17.8s (step 15.0s, not saved (RuntimeError: cannot serialize))" in line, line
-    r = {"img_per_sec": 8637.0, "first_step_of_all_variants_seconds": 50.8,
-         "step_ms_by_variant": {"train_base": 34.94, "train_last": 16.46},
-         "saved_load_seconds": {"train_last": 0.59}}
-    mix = {"variants": {"train_base": {"batch": 256, "res": 224, "train": True},
-                        "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
-    assert "tr: the main process loaded 1 saved compile in 0.6s (runtime.precompile_saved): train_last 0.59s" \
-        in mix_table(mix).splitlines()
-    r["saved_load_seconds"] = {}  # none loaded (the option off, or no parallel compiles): no line
-    assert "saved compile" not in mix_table(mix)

@@ -1,4 +1,4 @@
-"""runtime.saved_store: the saved compiles kept for later runs of the same plan, under a key of
+"""runtime.saved_store_gb: the saved compiles kept for later runs of the same plan, under a key of
 everything their compiled code depends on (CPU: Inductor's C++ code)."""
 from __future__ import annotations
 
@@ -8,39 +8,73 @@ import os
 import pytest
 import torch
 
-from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
-from tr_hydra.runtime import precompile as pcm
+from tr_hydra import startup
+from tr_hydra.config.plan_config import OptimizerSpec, RuntimeSpec, TrainerSpec
 from tr_hydra.runtime import saved_compile
+from tr_hydra.startup import store as st
+from tr_hydra.startup.report import StartupReport
+from tr_hydra.startup.store import KeptCompiles
 from tests.helpers import small_config
 
 GiB = 2**30
 CPU = torch.device("cpu")
 
 
+def _quiet(*_):
+    pass
+
+
 def _rt(pc, **kw):
     return dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, **kw))
 
 
-def _trainer(pc, path, logs=None):
-    from tr_hydra.runtime.runner import Trainer
-    return Trainer(pc, path, log=(logs.append if logs is not None else (lambda *_: None)), telemetry=False,
-                   source=False, launcher=False)
+def _runtime(pc, logs=None):
+    from tr_hydra.runtime.build import Runtime
+    return Runtime(pc, log=(logs.append if logs is not None else _quiet), source=False)
+
+
+def _fill_inputs(rt, variant: str) -> None:
+    img, lab = rt.ex.input_views(variant, "A")
+    g = torch.Generator().manual_seed(1)
+    img.copy_(torch.randn(img.shape, generator=g).to(img.dtype))
+    lab.copy_(torch.randint(0, 10, lab.shape, generator=g))
+
+
+def _on_cpu_as_on_cuda(monkeypatch):
+    """What ``startup._Plan`` asks of the device and of Inductor, answered on the CPU as an H200
+    with Inductor's caches on would."""
+    monkeypatch.setattr(startup, "caches_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
+
+
+def _plan(rt, monkeypatch, logs=None):
+    _on_cpu_as_on_cuda(monkeypatch)
+    return startup._Plan(rt, None, logs.append if logs is not None else _quiet)
+
+
+# the runtime options, by whether the compiled code depends on them (a new option must be put in one)
+_KEYED = {"deterministic": True, "kernels": "torch", "recompute": "pointwise",
+          "inductor_options": (("max_autotune", True),)}
+_NOT_KEYED = {"device": "cuda", "warmup_steps": 5, "precompile": 3, "saved_store_gb": 0.5}
+# constant wherever the store is used (Inductor with captured graphs: compile auto or inductor,
+# cuda_graph on), so the key may hold them or not
+_CONSTANT_WHERE_USED = {"compile", "cuda_graph"}
 
 
 def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monkeypatch):
+    assert {f.name for f in dataclasses.fields(RuntimeSpec)} == set(_KEYED) | set(_NOT_KEYED) | _CONSTANT_WHERE_USED
     pc = small_config(compile="inductor", lowres_epochs=1)
-    key = saved_compile.store_key(pc, "train_base", CPU)
-    assert len(key) == 32 and key == saved_compile.store_key(pc, "train_base", CPU)
+    key = st.store_key(pc, "train_base", CPU)
+    assert len(key) == 32 and key == st.store_key(pc, "train_base", CPU)
     # the same compiled code: another learning rate, schedule, seed, epoch count, logging,
-    # number of parallel compiles, cuDNN search; a sweep's next job finds it
+    # data location, number of parallel compiles, warm-up, store size; a sweep's next job finds it
     same = [dataclasses.replace(pc, optimizer=OptimizerSpec(name="momentum", lr=0.4, weight_decay=0.0,
                                                             schedule="cosine")),
             dataclasses.replace(pc, seed=7, trainer=TrainerSpec(epochs=9, log_every=3, label_smoothing=0.1)),
-            _rt(pc, precompile=3, precompile_first=True, prime_cudnn=False, warmup_steps=5, autotune_flush="off",
-                saved_store_gb=0.5),
             dataclasses.replace(pc, data=dataclasses.replace(pc.data, root="/elsewhere", augment=False))]
+    same += [_rt(pc, **{k: v}) for k, v in _NOT_KEYED.items()]
     for other in same:
-        assert saved_compile.store_key(other, "train_base", CPU) == key, other
+        assert other != pc and st.store_key(other, "train_base", CPU) == key, other
     # other compiled code
     differ = {"variant": (pc, "train_lowres", CPU),
               "model": (dataclasses.replace(pc, model=dataclasses.replace(pc.model, width=32)), "train_base", CPU),
@@ -49,19 +83,18 @@ def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monk
               "amp": (dataclasses.replace(pc, amp=True), "train_base", CPU),
               "folded": (dataclasses.replace(pc, bn_folded=True), "train_base", CPU),
               "optimizer": (dataclasses.replace(pc, optimizer=OptimizerSpec(name="adamw")), "train_base", CPU),
-              "layout": (_rt(pc, channels_last=False), "train_base", CPU),
-              "inductor": (_rt(pc, inductor_options=(("max_autotune", True),)), "train_base", CPU),
-              "stem": (_rt(pc, stem="conv"), "train_base", CPU),
               "device": (pc, "train_base", torch.device("meta"))}
-    keys = {k: saved_compile.store_key(*a) for k, a in differ.items()}
+    differ |= {f"runtime.{k}": (_rt(pc, **{k: v}), "train_base", CPU) for k, v in _KEYED.items()}
+    keys = {k: st.store_key(*a) for k, a in differ.items()}
     assert all(k != key for k in keys.values()), keys
     assert len(set(keys.values())) == len(keys)
-    assert saved_compile.store_key(pc, "train_base", CPU, {"max_autotune": True}) != key
+    assert st.store_key(pc, "train_base", CPU, {"max_autotune": True}) != key
+    assert st.store_key(pc, "train_base", CPU, model="another digest") != key
     monkeypatch.setattr(torch, "__version__", "2.99.0")
-    assert saved_compile.store_key(pc, "train_base", CPU) != key
+    assert st.store_key(pc, "train_base", CPU) != key
     monkeypatch.undo()
-    monkeypatch.setattr(saved_compile, "source_digest", lambda: "another tr_hydra")
-    assert saved_compile.store_key(pc, "train_base", CPU) != key
+    monkeypatch.setattr(st, "source_digest", lambda: "another tr_hydra")
+    assert st.store_key(pc, "train_base", CPU) != key
 
 
 def test_the_models_digest_follows_its_structure_and_its_own_source(tmp_path, monkeypatch):
@@ -74,9 +107,8 @@ def test_the_models_digest_follows_its_structure_and_its_own_source(tmp_path, mo
     from tr_hydra.models.registry import build_model
     with torch.device("meta"):
         r18, r18c = build_model("resnet18", 10), build_model("resnet18_cifar", 10)
-    assert saved_compile.model_digest(r18, "resnet18") != saved_compile.model_digest(r18c, "resnet18_cifar")
-    assert saved_compile.model_digest(r18, "resnet18") == saved_compile.model_digest(build_model("resnet18", 10),
-                                                                                     "resnet18")
+    assert st.model_digest(r18, "resnet18") != st.model_digest(r18c, "resnet18_cifar")
+    assert st.model_digest(r18, "resnet18") == st.model_digest(build_model("resnet18", 10), "resnet18")
     mod = tmp_path / "user_net.py"
     body = ("import torch.nn as nn\n"
             "class Net(nn.Module):\n"
@@ -93,12 +125,12 @@ def test_the_models_digest_follows_its_structure_and_its_own_source(tmp_path, mo
         sys.modules.pop("user_net", None)
         net = importlib.import_module("user_net")
         registry.register_model("user_net")(net.Net)
-        digests.append(saved_compile.model_digest(build_model("user_net", 10), "user_net"))
+        digests.append(st.model_digest(build_model("user_net", 10), "user_net"))
     sys.modules.pop("user_net", None)
     assert digests[0] != digests[1] and digests[0] == digests[2]
     pc = small_config()
-    assert saved_compile.store_key(pc, "train_base", CPU, model=digests[0]) != \
-        saved_compile.store_key(pc, "train_base", CPU, model=digests[1])
+    assert st.store_key(pc, "train_base", CPU, model=digests[0]) != st.store_key(pc, "train_base", CPU,
+                                                                                 model=digests[1])
 
 
 def test_the_source_digest_changes_with_any_file_of_the_package(tmp_path, monkeypatch):
@@ -111,18 +143,18 @@ def test_the_source_digest_changes_with_any_file_of_the_package(tmp_path, monkey
     digests = []
     for text in ("WIDTH = 16\n", "WIDTH = 32\n", "WIDTH = 16\n"):
         (pkg / "models" / "net.py").write_text(text)
-        saved_compile.source_digest.cache_clear()
-        digests.append(saved_compile.source_digest())
+        st.source_digest.cache_clear()
+        digests.append(st.source_digest())
     monkeypatch.undo()
-    saved_compile.source_digest.cache_clear()
+    st.source_digest.cache_clear()
     assert digests[0] != digests[1] and digests[0] == digests[2]
-    assert saved_compile.source_digest() != digests[0]  # the real package
+    assert st.source_digest() != digests[0]  # the real package
 
 
 def test_the_store_keeps_a_whole_copy_and_forgets_it(tmp_path):
     src = tmp_path / "child.forward"
     src.write_bytes(b"compiled" * 1000)
-    store = saved_compile.Store(str(tmp_path / "store"))
+    store = st.Store(str(tmp_path / "store"))
     assert store.find("k") is None
     kept = store.put(str(src), "k")
     assert store.find("k") == kept and open(kept, "rb").read() == src.read_bytes()
@@ -134,18 +166,18 @@ def test_the_store_keeps_a_whole_copy_and_forgets_it(tmp_path):
 
 def test_the_store_lies_in_inductors_cache_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    assert saved_compile.Store().root == str(tmp_path / "cache" / "tr_hydra_saved")
+    assert st.Store().root == str(tmp_path / "cache" / "tr_hydra_saved") == st.store_dir()
 
 
 def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced_bits(tmp_path, monkeypatch):
     """Run 1 loads its child's file, steps, and keeps it. Run 2 (another learning rate, seed and
     epoch count: the same key) finds it, loads it instead of compiling, and ends a training step
-    with the same arena, bit for bit, as a trainer that compiles the variant through Dynamo."""
+    with the same arena, bit for bit, as a runtime that compiles the variant through Dynamo."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    from tests.unit.test_saved_compile import _fill_inputs
-    pc1 = small_config(compile="inductor", train_size=80, val_size=40)
+    pc1 = _rt(small_config(compile="inductor", train_size=80, val_size=40), precompile=0)
+    variants = ["train_base", "train_last", "val_base", "val_last"]
     # as a child would: compiled whole and saved on the variant's first step
-    child = _trainer(pc1, tmp_path / "child")
+    child = _runtime(pc1)
     child_file = str(tmp_path / "train_last.forward")
     child.ex.recorder = saved_compile.Recorder({"train_last": child_file})
     _fill_inputs(child, "train_last")
@@ -157,15 +189,19 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
             return child_file if name == "train_last" else None
 
     logs = []
-    run1 = _trainer(pc1, tmp_path / "run1", logs)
-    run1._find_stored(["train_base", "train_last", "val_base", "val_last"])
-    assert run1._stored == {} and run1._store is not None  # an empty store
-    run1._load_saved(Pre(), "train_last")
+    run1 = _runtime(pc1, logs)
+    plan = _plan(run1, monkeypatch, logs)
+    assert plan.kc is not None and plan.kc.found == {} and plan.pre is None  # an empty store
+    assert plan.whole == variants  # no parallel compiles: each compiled whole here, to be kept
+    plan.pre = Pre()
+    rep = StartupReport()
+    plan.load(run1, "train_last", rep, logs.append)
+    assert list(rep.loaded_s) == ["train_last"] and "train_last" in run1.ex.saved_forwards
     _fill_inputs(run1, "train_last")
     run1.ex.train_step("train_last", "A")
-    run1._keep_saved(Pre())
-    assert run1.saved_stored == ["train_last"] and run1.saved_from_store == []
-    kept = saved_compile.Store().find(run1._store_key("train_last"))
+    plan.keep(run1, rep, logs.append)
+    assert rep.kept == ["train_last"] and rep.from_store == []
+    kept = st.Store().find(plan.kc.key("train_last"))
     assert kept is not None and open(kept, "rb").read() == open(child_file, "rb").read()
 
     pc2 = dataclasses.replace(pc1, seed=3, optimizer=OptimizerSpec(name="momentum", lr=0.3, schedule="constant"),
@@ -173,157 +209,191 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
     arenas = {}
     for mode in ("kept", "traced"):
         logs = []
-        tr = _trainer(pc2, tmp_path / mode, logs)
+        rt = _runtime(pc2, logs)
         if mode == "kept":
-            tr._find_stored(["train_base", "train_last", "val_base", "val_last"])
-            assert tr._stored == {"train_last": kept}
-            assert "runtime.saved_store: 1 of 4 variants' compiles kept by an earlier run (train_last): " \
+            plan = _plan(rt, monkeypatch, logs)
+            assert plan.kc.found == {"train_last": kept}
+            assert "saved store: 1 of 4 variants' compiles kept by an earlier run (train_last): " \
                    "loaded, not compiled" in logs, logs
-            tr._load_saved(None, "train_last")  # no parallel compiles at all
-            assert tr.saved_from_store == ["train_last"] and "train_last" in tr.saved_load_s
-        _fill_inputs(tr, "train_last")
-        tr.ex.train_step("train_last", "A")
+            assert "train_last" not in plan.whole  # loaded, not compiled
+            rep = StartupReport()
+            plan.load(rt, "train_last", rep, logs.append)  # no parallel compiles at all
+            assert plan.kc.from_store == ["train_last"] and "train_last" in rep.loaded_s
+        _fill_inputs(rt, "train_last")
+        rt.ex.train_step("train_last", "A")
         if mode == "kept":
-            assert "train_last" in tr.ex.saved_forwards and tr.ex.saved_mismatch == {}
-            tr._keep_saved(None)
-            assert tr.saved_stored == []  # loaded from the store: nothing new to keep
-        arenas[mode] = tr.arena.arena.clone()
+            assert "train_last" in rt.ex.saved_forwards and rt.ex.saved_mismatch == {}
+            plan.keep(rt, rep, logs.append)
+            assert rep.kept == [] and rep.from_store == ["train_last"]  # nothing new to keep
+        arenas[mode] = rt.arena.arena.clone()
     assert torch.equal(arenas["kept"], arenas["traced"])
     # another width: another key, nothing found
-    tr = _trainer(dataclasses.replace(pc1, model=dataclasses.replace(pc1.model, width=8)), tmp_path / "w8")
-    tr._find_stored(["train_last"])
-    assert tr._stored == {}
+    kc = KeptCompiles.open(_runtime(dataclasses.replace(pc1, model=dataclasses.replace(pc1.model, width=8))))
+    assert kc.look_up(["train_last"]) == {}
 
 
 def test_a_variant_compiled_whole_here_is_kept_and_the_next_run_loads_it_on_a_thread(tmp_path, monkeypatch):
     """The training process compiles its own variant whole (no child involved), steps through
     that compile, and keeps it after the capture; the next run loads it on a thread (as during
-    cuDNN's search) and steps. Both end with the same arena, bit for bit, as a trainer that
+    cuDNN's search) and steps. Both end with the same arena, bit for bit, as a runtime that
     traces the variant through Dynamo."""
     import threading
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    from tests.unit.test_saved_compile import _fill_inputs
-    pc1 = small_config(compile="inductor", train_size=80, val_size=40)
+    pc1 = _rt(small_config(compile="inductor", train_size=80, val_size=40), precompile=0)
     pc2 = dataclasses.replace(pc1, seed=5, optimizer=OptimizerSpec(name="momentum", lr=0.2, schedule="constant"))
     arenas = {}
     logs = []
-    own = _trainer(pc1, tmp_path / "own", logs)
-    own._find_stored(["train_base", "train_last"])
-    assert own._stored == {}
-    own._own_whole = ["train_last"]
+    own = _runtime(pc1, logs)
+    plan = _plan(own, monkeypatch, logs)
+    assert plan.kc.found == {} and "train_last" in plan.whole
     told = []
 
     class Job:  # the search ahead, waiting for the end of the first compile
         def compiled(self):
             told.append(dict(own.ex.saved_forwards))
 
-    own._ahead_job = Job()
-    own.ex.recorder = saved_compile.Recorder({"train_last": None}, own.ex.compile_options,
-                                             on_compiled=own._whole_compiled)
+    # as get_ready sets it up
+    own.ex.recorder = saved_compile.Recorder({v: None for v in plan.whole}, own.ex.compile_options,
+                                             on_compiled=Job().compiled)
     _fill_inputs(own, "train_last")
     own.ex.train_step("train_last", "A")
     # told once, after the compile and before its code ran (the step had not used it yet)
     assert told == [{}] and not own.ex.recorder.errors
     assert isinstance(own.ex.saved_forwards["train_last"], saved_compile.SavedForward)
-    own._keep_saved(None)
-    assert own.saved_stored == ["train_last"] and own.saved_store_write_s > 0
-    assert list(own.whole_compile_s()) == ["train_last"] and own.whole_compile_s()["train_last"] > 0
-    kept = saved_compile.Store().find(own._store_key("train_last"))
+    rep = StartupReport()
+    plan.keep(own, rep, logs.append)
+    assert rep.kept == ["train_last"] and rep.store_write_s > 0  # only the variant that stepped
+    assert list(rep.whole_compile_s) == ["train_last"] and rep.whole_compile_s["train_last"] > 0
+    kept = st.Store().find(plan.kc.key("train_last"))
     assert kept is not None and os.path.getsize(kept) > 0
     assert not [f for f in os.listdir(os.path.dirname(kept)) if f.endswith(".tmp")]
     arenas["own"] = own.arena.arena.clone()
 
     threads = []
-    real_load = saved_compile.load
+    real_load = st.load
 
     def load(path, model, name=""):
         threads.append(threading.get_ident())
         return real_load(path, model, name)
-    monkeypatch.setattr(saved_compile, "load", load)
+    monkeypatch.setattr(st, "load", load)
     logs = []
-    nxt = _trainer(pc2, tmp_path / "next", logs)
-    nxt._find_stored(["train_base", "train_last"])
-    assert nxt._stored == {"train_last": kept}
-    with nxt._preloading():
+    nxt = _runtime(pc2, logs)
+    plan = _plan(nxt, monkeypatch, logs)
+    assert plan.kc.found == {"train_last": kept}
+    with plan.kc.preloading(nxt.model):
         pass
-    assert threads and threads[0] != threading.get_ident() and list(nxt._preloaded) == ["train_last"]
-    nxt._load_saved(None, "train_last")
-    assert nxt.saved_preloaded == ["train_last"] and nxt.saved_from_store == ["train_last"]
-    assert nxt.saved_load_s["train_last"] > 0 and len(threads) == 1  # not loaded a second time
+    assert threads and threads[0] != threading.get_ident() and list(plan.kc._preloaded) == ["train_last"]
+    rep = StartupReport()
+    plan.load(nxt, "train_last", rep, logs.append)
+    assert plan.kc.preloaded == ["train_last"] and plan.kc.from_store == ["train_last"]
+    assert rep.loaded_s["train_last"] >= 0 and len(threads) == 1  # not loaded a second time
     _fill_inputs(nxt, "train_last")
     nxt.ex.train_step("train_last", "A")
     assert nxt.ex.saved_mismatch == {}
-    nxt._keep_saved(None)
-    assert nxt.saved_stored == []
+    plan.keep(nxt, rep, logs.append)
+    assert rep.kept == [] and rep.preloaded == ["train_last"] and rep.from_store == ["train_last"]
     arenas["kept"] = nxt.arena.arena.clone()
 
-    traced = _trainer(pc1, tmp_path / "traced")
+    traced = _runtime(pc1)
     _fill_inputs(traced, "train_last")
     traced.ex.train_step("train_last", "A")
-    arenas["traced"] = traced.arena.arena.clone()
     # the optimizers' learning rates differ between pc1 and pc2: compare each with its own
-    # trainer's traced twin (pc1's here); the forward and backward compile is one
-    assert torch.equal(arenas["own"], arenas["traced"])
-    traced2 = _trainer(pc2, tmp_path / "traced2")
+    # runtime's traced twin (pc1's here); the forward and backward compile is one
+    assert torch.equal(arenas["own"], traced.arena.arena)
+    traced2 = _runtime(pc2)
     _fill_inputs(traced2, "train_last")
     traced2.ex.train_step("train_last", "A")
     assert torch.equal(arenas["kept"], traced2.arena.arena)
 
 
+class _Fake:
+    """The precompiler, as ``_Plan`` starts it: what it was given."""
+    seen: dict = {}
+
+    def __init__(self, pc, variants, workers, log=None, device_index=0, launcher=None, saved=True):
+        _Fake.seen = dict(order=list(variants), n=workers, saved=saved)
+
+
+def _planning(tmp_path, monkeypatch, logs, **runtime):
+    """A runtime as on CUDA with runtime.compile=auto (Inductor), three variants (train_base,
+    train_last, val_base), eight parallel compiles wanted and room for them."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(startup, "Precompiler", _Fake)
+    pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), **{"precompile": 8, **runtime})
+    rt = _runtime(pc, logs)
+    assert [v.name for v in pc.variants] == ["train_base", "train_last", "val_base"]
+    rt.inductor = True  # as on CUDA with runtime.compile=auto
+    _Fake.seen = {}
+    return rt
+
+
+def _keep(rt, names, tmp_path):
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    kc = KeptCompiles.open(rt, _quiet)
+    for v in names:
+        kc.store.put(str(f), kc.key(v))
+
+
 def test_the_training_process_compiles_whole_what_no_child_takes(tmp_path, monkeypatch):
     logs = []
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
-    tr._precompiler(["train_base", "train_last"], ["val_base"])
-    # runtime.precompile_own=auto: the validation variant here, the children take the others
-    assert tr._own_whole == ["val_base"] and tr._own_first == "val_base"
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_own="first")
-    tr._precompiler(["train_base", "train_last"], ["val_base"])
-    assert tr._own_whole == ["train_base"] and tr._own_first == "train_base"
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
-    _keep(tr, ["train_last", "val_base"])
-    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
-    assert tr._own_whole == ["train_base"]
-    _keep(tr, ["train_base"])
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
-    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
-    assert tr._own_whole == [] and list(tr._stored) == ["train_base", "train_last", "val_base"]
+    rt = _planning(tmp_path, monkeypatch, logs)
+    plan = _plan(rt, monkeypatch, logs)
+    # the validation variant here, the children take the training ones
+    assert plan.whole == ["val_base"] and plan.own == "val_base" and isinstance(plan.pre, _Fake)
+    _keep(rt, ["train_last", "val_base"], tmp_path)
+    plan = _plan(rt, monkeypatch, logs)
+    assert plan.pre is None and plan.whole == ["train_base"]
+    _keep(rt, ["train_base"], tmp_path)
+    plan = _plan(rt, monkeypatch, logs)
+    assert plan.pre is None and plan.whole == [] and list(plan.kc.found) == ["train_base", "train_last", "val_base"]
     # no parallel compiles: every variant not kept is compiled here
-    tr = _capturing_trainer(tmp_path / "none", monkeypatch, logs, precompile=0)
-    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None
-    assert tr._own_whole == ["train_base", "train_last", "val_base"]
-    # no store: compiled as before (through Dynamo, lazily)
-    for off in ({"saved_store": False}, {"precompile_saved": False}, {"precompile_backward": True}):
-        tr = _capturing_trainer(tmp_path / "off", monkeypatch, logs, **off)
-        tr._precompiler(["train_base", "train_last"], ["val_base"])
-        assert tr._own_whole == [], off
+    rt = _planning(tmp_path / "none", monkeypatch, logs, precompile=0)
+    plan = _plan(rt, monkeypatch, logs)
+    assert plan.pre is None and plan.whole == ["train_base", "train_last", "val_base"]
+    # no room on the device for a child: the same
+    rt = _planning(tmp_path / "full", monkeypatch, logs)
+    _on_cpu_as_on_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (GiB // 4, 141 * GiB))
+    plan = startup._Plan(rt, None, logs.append)
+    assert plan.pre is None and plan.whole == ["train_base", "train_last", "val_base"] and _Fake.seen == {}
+    assert "runtime.precompile: no room on the device for a parallel compile; compiling in turn" in logs
+    # no store: compiled as before (through Dynamo, lazily), the children as with one
+    rt = _planning(tmp_path / "off", monkeypatch, logs, saved_store_gb=0)
+    plan = _plan(rt, monkeypatch, logs)
+    assert plan.kc is None and plan.whole == [] and plan.own == "val_base"
+    assert _Fake.seen["order"] == [("train_base", True), ("train_last", True)]
 
 
 def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     logs = []
-    tr = _trainer(small_config(compile="inductor"), tmp_path / "run", logs)
-    store = saved_compile.Store()
+    rt = _runtime(_rt(small_config(compile="inductor", val_size=64), precompile=0), logs)
+    store = st.Store()
     bad = tmp_path / "bad"
     bad.write_bytes(b"not a pickle")
-    store.put(str(bad), tr._store_key("val_base"))
-    tr._find_stored(["train_base", "val_base"])
-    assert list(tr._stored) == ["val_base"]
-    tr._load_saved(None, "val_base")
-    assert tr.ex.saved_forwards == {} and tr.saved_from_store == [] and tr.saved_load_s == {}
-    assert store.find(tr._store_key("val_base")) is None  # the next run compiles it again
-    assert any(ln.startswith("  val_base: the saved compile kept by an earlier run did not load (")
+    key = KeptCompiles.open(rt, _quiet).key("val_base")
+    store.put(str(bad), key)
+    plan = _plan(rt, monkeypatch, logs)
+    assert list(plan.kc.found) == ["val_base"] and "val_base" not in plan.whole
+    rep = StartupReport()
+    plan.load(rt, "val_base", rep, logs.append)
+    assert rt.ex.saved_forwards == {} and plan.kc.from_store == [] and rep.loaded_s == {}
+    assert store.find(key) is None  # the next run compiles it again
+    assert any(ln.startswith("  val_base: the compile kept by an earlier run did not load (")
                and ln.endswith("compiling it here (and dropping that file)") for ln in logs), logs
     # loaded on a thread during cuDNN's search: the same, when the variant warms up
-    store.put(str(bad), tr._store_key("val_base"))
+    store.put(str(bad), key)
     logs.clear()
-    tr._find_stored(["train_base", "val_base"])
-    with tr._preloading():
+    plan = _plan(rt, monkeypatch, logs)
+    with plan.kc.preloading(rt.model):
         pass
-    assert isinstance(tr._preloaded["val_base"][0], Exception)
-    tr._load_saved(None, "val_base")
-    assert tr.ex.saved_forwards == {} and tr.saved_preloaded == [] and tr._preloaded == {}
-    assert store.find(tr._store_key("val_base")) is None
-    assert any(ln.startswith("  val_base: the saved compile kept by an earlier run did not load (")
+    assert isinstance(plan.kc._preloaded["val_base"][0], Exception)
+    rep = StartupReport()
+    plan.load(rt, "val_base", rep, logs.append)
+    assert rt.ex.saved_forwards == {} and plan.kc.preloaded == [] and plan.kc._preloaded == {}
+    assert rep.loaded_s == {} and store.find(key) is None
+    assert any(ln.startswith("  val_base: the compile kept by an earlier run did not load (")
                for ln in logs), logs
 
 
@@ -332,87 +402,65 @@ def test_a_kept_compile_made_for_another_input_is_not_called_and_is_dropped(tmp_
     steps with its ordinary forward, and the file is dropped."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     logs = []
-    tr = _trainer(small_config(), tmp_path / "run", logs)
-    tr._store = saved_compile.Store()
-    key = tr._store_key("train_base")
+    rt = _runtime(_rt(small_config(), precompile=0), logs)
+    rt.inductor = True
+    kc = KeptCompiles.open(rt, _quiet)
+    key = kc.key("train_base")
     (tmp_path / "f").write_bytes(b"x")
-    tr._store.put(str(tmp_path / "f"), key)
+    kc.store.put(str(tmp_path / "f"), key)
     calls = []
     sig = saved_compile.Signature((2, 3, 16, 16), (768, 1, 48, 3), "torch.float32", "cpu", True, True, (False, ""))
-    tr.ex.saved_forwards["train_base"] = saved_compile.SavedForward(lambda m, x: calls.append(x), tr.model, sig,
-                                                                    "train_base")
-    tr.saved_load_s["train_base"] = 0.1
-    tr.saved_from_store.append("train_base")
+    wrong = saved_compile.SavedForward(lambda m, x: calls.append(x), rt.model, sig, "train_base")
+    monkeypatch.setattr(st, "load", lambda path, model, name="": wrong)  # "loads" as one made for (2, 3, 16, 16)
+    plan = _plan(rt, monkeypatch, logs)
+    rep = StartupReport()
+    plan.load(rt, "train_base", rep, logs.append)
+    assert rt.ex.saved_forwards["train_base"] is wrong and "train_base" in rep.loaded_s
+    assert plan.kc.from_store == ["train_base"]
     x = torch.randn(32, 3, 16, 16)
-    assert tr.ex._forward_of("train_base", x) is tr.ex.forward_fn and calls == []
-    assert tr.ex.saved_mismatch == {"train_base": "shape (2, 3, 16, 16) (compiled) against (32, 3, 16, 16)"}
-    tr._keep_saved(None)
-    assert tr.saved_from_store == [] and tr.saved_load_s == {} and tr._store.find(key) is None
+    assert rt.ex._forward_of("train_base", x) is rt.ex.forward_fn and calls == []
+    assert rt.ex.saved_mismatch == {"train_base": "shape (2, 3, 16, 16) (compiled) against (32, 3, 16, 16)"}
+    plan.keep(rt, rep, logs.append)
+    assert rep.from_store == [] and rep.loaded_s == {} and kc.store.find(key) is None
     assert "  train_base: its saved compile was made for another input (shape (2, 3, 16, 16) (compiled) " \
            "against (32, 3, 16, 16)); compiled here instead" in logs, logs
 
 
-class _Fake:
-    seen: dict = {}
-
-    def __init__(self, pc, order, n, log=None, device_index=0, also=None, launcher=None, twins=(), saved=False,
-                 share_training=True):
-        _Fake.seen = dict(order=order, n=n, twins=twins, saved=saved)
-
-
-def _capturing_trainer(tmp_path, monkeypatch, logs, **runtime):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pcm, "Precompiler", _Fake)
-    monkeypatch.setattr(pcm, "caches_enabled", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, 141 * GiB))
-    pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), **{"precompile": 8, **runtime})
-    tr = _trainer(pc, tmp_path / f"run{len(logs)}", logs)
-    tr.inductor = True  # as on CUDA with runtime.compile=auto
-    return tr
-
-
-def _keep(tr, names):
-    tr.run_dir.mkdir(parents=True, exist_ok=True)
-    f = tr.run_dir / "f"
-    f.write_bytes(b"x")
-    for v in names:
-        saved_compile.Store().put(str(f), tr._store_key(v))
-
-
 def test_kept_variants_get_no_child_and_a_run_with_all_of_them_starts_none(tmp_path, monkeypatch):
     logs = []
-    _Fake.seen = {}
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_own="first")
-    _keep(tr, ["train_last"])
-    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
-    assert _Fake.seen["order"] == [("val_base", False)] and _Fake.seen["n"] == 1 and _Fake.seen["saved"] is True
+    rt = _planning(tmp_path, monkeypatch, logs)
+    _keep(rt, ["val_base"], tmp_path)
+    plan = _plan(rt, monkeypatch, logs)
+    assert isinstance(plan.pre, _Fake) and plan.own == "train_base"
+    assert _Fake.seen == dict(order=[("train_last", True)], n=1, saved=True)
     assert "compiling 2 variants: train_base here, 1 in 1 parallel process" in logs, logs
-    assert list(tr._stored) == ["train_last"]
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)  # precompile_own=auto: the child takes train_base
-    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
+    assert list(plan.kc.found) == ["val_base"]
+    rt = _planning(tmp_path / "b", monkeypatch, logs)
+    _keep(rt, ["train_last"], tmp_path)
+    plan = _plan(rt, monkeypatch, logs)  # the validation variant here, the child takes train_base
+    assert isinstance(plan.pre, _Fake) and plan.own == "val_base"
     assert _Fake.seen["order"] == [("train_base", True)] and _Fake.seen["n"] == 1
     assert "compiling 2 variants: val_base here, 1 in 1 parallel process" in logs, logs
     # all the variants after the first kept: no child, no precompiler
     _Fake.seen = {}
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs)
-    _keep(tr, ["train_last", "val_base"])
-    assert tr._precompiler(["train_base", "train_last"], ["val_base"]) is None and _Fake.seen == {}
-    assert list(tr._stored) == ["train_last", "val_base"]
-    # turned off: neither read nor written
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs, saved_store=False)
-    assert isinstance(tr._precompiler(["train_base", "train_last"], ["val_base"]), _Fake)
-    assert _Fake.seen["order"] == [("train_base", True), ("train_last", True)] and tr._stored == {}
-    assert tr._store is None
-    # with twins (precompile_backward) the saved compiles are not used: nor is the store
-    tr = _capturing_trainer(tmp_path, monkeypatch, logs, precompile_backward=True)
-    tr._precompiler(["train_base", "train_last"], ["val_base"])
-    assert _Fake.seen["order"] == [("train_last", True), ("val_base", False)] and tr._stored == {}
+    _keep(rt, ["val_base"], tmp_path)
+    plan = _plan(rt, monkeypatch, logs)
+    assert plan.pre is None and _Fake.seen == {} and list(plan.kc.found) == ["train_last", "val_base"]
+    # turned off: neither read (train_last, kept, gets a child) nor written
+    rt = _planning(tmp_path / "b", monkeypatch, logs, saved_store_gb=0)
+    before = sorted(os.listdir(st.store_dir()))
+    assert len(before) == 2
+    plan = _plan(rt, monkeypatch, logs)
+    assert isinstance(plan.pre, _Fake) and plan.kc is None and plan.whole == []
+    assert _Fake.seen["order"] == [("train_base", True), ("train_last", True)]
+    rep = StartupReport()
+    plan.keep(rt, rep, logs.append)
+    assert rep.kept == [] and sorted(os.listdir(st.store_dir())) == before
 
 
 def test_no_launcher_is_started_when_every_child_variant_is_kept(tmp_path, monkeypatch):
-    from tr_hydra.runtime.runner import Trainer
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pcm, "launcher_wanted", lambda *a: True)
+    monkeypatch.setattr(startup, "launcher_wanted", lambda *a: True)
     started = []
 
     class Launcher:
@@ -422,34 +470,41 @@ def test_no_launcher_is_started_when_every_child_variant_is_kept(tmp_path, monke
         def close(self):
             pass
 
-    monkeypatch.setattr(pcm, "Launcher", Launcher)
+    monkeypatch.setattr(startup, "Launcher", Launcher)
     pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)
-    tr = Trainer(pc, tmp_path / "a", log=lambda *_: None, telemetry=False, source=False)
-    assert tr._launcher is not None and started == [1]  # nothing kept yet
-    _keep(tr, ["train_last", "val_base"])
-    tr = Trainer(pc, tmp_path / "b", log=lambda *_: None, telemetry=False, source=False)
-    assert tr._launcher is None and started == [1]
-    pc_first = _rt(pc, precompile_first=True)  # the first variant would go to a child too
-    tr = Trainer(pc_first, tmp_path / "c", log=lambda *_: None, telemetry=False, source=False)
-    assert tr._launcher is not None and started == [1, 1]
+    assert startup.start(pc, CPU, _quiet) is not None and started == [1]  # nothing kept yet
+    rt = _runtime(pc)
+    _keep(rt, ["train_base"], tmp_path)  # the first variant kept: the others still get children
+    assert startup.start(pc, CPU, _quiet) is not None and started == [1, 1]
+    _keep(rt, ["train_last", "val_base"], tmp_path)
+    assert startup.start(pc, CPU, _quiet) is None and started == [1, 1]
 
 
 def test_the_option_is_on_by_default_and_can_be_turned_off():
+    from hydra.errors import ConfigCompositionException
     from tr_hydra.cli._common import compose
     from tr_hydra.config.plan_config import plan_config_from
     from tr_hydra.errors import ConfigError
-    assert plan_config_from(compose([])).runtime.saved_store is True
-    assert plan_config_from(compose(["runtime.saved_store=false"])).runtime.saved_store is False
     assert plan_config_from(compose([])).runtime.saved_store_gb == 4.0
     assert plan_config_from(compose(["runtime.saved_store_gb=0.5"])).runtime.saved_store_gb == 0.5
-    assert plan_config_from(compose(["runtime.saved_store_gb=null"])).runtime.saved_store_gb is None
-    for bad in ("0", "-1"):
-        with pytest.raises(ConfigError, match=r"runtime.saved_store_gb: must be null \(no limit\) or a size in GB > 0"):
-            plan_config_from(compose([f"runtime.saved_store_gb={bad}"]))
+    assert plan_config_from(compose(["runtime.saved_store_gb=0"])).runtime.saved_store_gb == 0
+    with pytest.raises(ConfigError, match=r"runtime.saved_store_gb: must be a size in GB >= 0 \(0: no store\)"):
+        plan_config_from(compose(["runtime.saved_store_gb=-1"]))
+    for gone in ("runtime.saved_store=false", "runtime.precompile_saved=false"):  # folded into saved_store_gb
+        with pytest.raises(ConfigCompositionException):
+            compose([gone])
+
+
+def test_the_store_is_off_at_zero_gb(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    pc = small_config(compile="inductor")
+    rt = _runtime(_rt(pc, saved_store_gb=0))
+    assert KeptCompiles.open(rt, _quiet) is None
+    assert isinstance(KeptCompiles.open(_runtime(pc), _quiet), KeptCompiles)
 
 
 def test_the_store_is_trimmed_least_recently_used_first_never_this_runs(tmp_path):
-    store = saved_compile.Store(str(tmp_path / "store"))
+    store = st.Store(str(tmp_path / "store"))
     src = tmp_path / "src"
     src.write_bytes(b"x" * 1000)
     for i, k in enumerate("abcde"):  # written in that order, a the oldest
@@ -469,50 +524,32 @@ def test_the_store_is_trimmed_least_recently_used_first_never_this_runs(tmp_path
     os.utime(old_tmp, (1000, 1000))
     store.trim(10_000)
     assert not old_tmp.exists() and new_tmp.exists()
-    assert saved_compile.Store(str(tmp_path / "none")).trim(0) == (0, 0)  # no directory yet
+    assert st.Store(str(tmp_path / "none")).trim(0) == (0, 0)  # no directory yet
 
 
 def test_a_run_trims_the_store_to_its_limit_after_keeping_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     logs = []
-    pc = _rt(small_config(compile="inductor"), saved_store_gb=2.5e-6)  # 2,500 bytes
-    tr = _trainer(pc, tmp_path / "run", logs)
-    tr._find_stored(["train_base", "train_last"])
-    store = tr._store
+    pc = _rt(small_config(compile="inductor"), saved_store_gb=2.5e-6, precompile=0)  # 2,500 bytes
+    rt = _runtime(pc, logs)
+    plan = _plan(rt, monkeypatch, logs)
+    store = plan.kc.store
     src = tmp_path / "src"
     src.write_bytes(b"x" * 1000)
     for i, k in enumerate(["old1", "old2", "old3"]):  # other plans' compiles, earlier runs
         os.utime(store.put(str(src), k), (1000 + i, 1000 + i))
-    os.utime(store.put(str(src), tr._store_key("train_base")), (500, 500))  # this run's, older still
-    tr._trim_store()
-    assert store.find(tr._store_key("train_base")) and store.find("old3")
+    os.utime(store.put(str(src), plan.kc.key("train_base")), (500, 500))  # this run's, older still
+    plan.keep(rt, StartupReport(), logs.append)  # after the capture
+    assert store.find(plan.kc.key("train_base")) and store.find("old3")
     assert not store.find("old1") and not store.find("old2")
-    assert "runtime.saved_store: dropped the 2 least recently used kept compiles (0 MB) to hold the store " \
+    assert "saved store: dropped the 2 least recently used kept compiles (0 MB) to hold it " \
            "under runtime.saved_store_gb=2.5e-06" in logs, logs
-    tr = _trainer(_rt(pc, saved_store_gb=None), tmp_path / "run2", logs)
-    tr._find_stored(["train_base"])
+    logs.clear()
+    rt = _runtime(_rt(pc, saved_store_gb=4.0), logs)
+    plan = _plan(rt, monkeypatch, logs)
     store.put(str(src), "old4")
-    tr._trim_store()  # no limit: nothing dropped
-    assert store.find("old3") and store.find("old4")
-
-
-def test_tr_bench_says_which_loads_came_from_the_store():
-    from tr_hydra.cli.bench import mix_table
-    r = {"img_per_sec": 8637.0, "first_step_of_all_variants_seconds": 9.8,
-         "step_ms_by_variant": {"train_base": 34.94, "train_last": 16.46},
-         "saved_load_seconds": {"train_last": 0.59, "val_base": 0.3}, "saved_from_store": ["train_last", "val_base"]}
-    mix = {"variants": {"train_base": {"batch": 256, "res": 224, "train": True},
-                        "train_last": {"batch": 104, "res": 224, "train": True}}, "modes": {"tr": r}}
-    line = next(ln for ln in mix_table(mix).splitlines() if "saved compile" in ln)
-    assert line.endswith("; 2 of them kept by an earlier run (runtime.saved_store), no child compiled them"), line
-    r["saved_preloaded"] = ["train_last", "val_base"]
-    line = next(ln for ln in mix_table(mix).splitlines() if "saved compile" in ln)
-    assert line.endswith("no child compiled them; 2 loaded on a thread during cuDNN's search"), line
-    r["whole_compile_seconds"] = {"train_base": 41.27}
-    assert "tr: compiled whole here, to be kept (runtime.saved_store): train_base 41.3s" \
-        in mix_table(mix).splitlines()
-    r["saved_from_store"] = []
-    assert "kept by an earlier run" not in mix_table(mix)
+    plan.keep(rt, StartupReport(), logs.append)  # under the limit: nothing dropped
+    assert store.find("old3") and store.find("old4") and not any("dropped" in ln for ln in logs), logs
 
 
 if __name__ == "__main__":

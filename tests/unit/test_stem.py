@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tr_hydra.config.plan_config import RuntimeSpec
 from tr_hydra.models.stem import (ImageConv2d, SpaceToDepthConv2d, eligible, image_input_recomputed,
                                    space_to_depth_stem)
-from tr_hydra.runtime.runner import Trainer, epoch_schedule
+from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config
 
@@ -41,7 +41,7 @@ def test_space_to_depth_conv_equals_conv2d(k, p, hw, bias):
 @pytest.mark.parametrize("stride,k,p", [(2, 7, 3), (2, 3, 1), (1, 3, 1)])
 @pytest.mark.parametrize("multiple", [8, 16, 5])
 def test_a_stem_reading_zero_padded_channels_equals_conv2d(stride, k, p, multiple, monkeypatch):
-    """runtime.stem_channels: the convolution over the image (folded, at stride 2) reads its input
+    """A channel multiple: the convolution over the image (folded, at stride 2) reads its input
     and kernel with zero channels up to the multiple; output and both gradients equal PyTorch's
     conv in float64, the weight keeps its shape, and the channels read are the padded count."""
     torch.manual_seed(stride * 100 + k * 10 + multiple)
@@ -86,10 +86,15 @@ def test_only_thin_stride_two_convs_qualify():
 
 
 def _trainer(tmp_path, stem, model, stem_channels=None, log=lambda *_: None):
+    """A CPU trainer whose stem is computed as on CUDA: ``stem`` ``space_to_depth`` (folded) or
+    ``conv`` (the model's own), reading its input padded to ``stem_channels`` (None: as is)."""
+    from tr_hydra.models import stem as stem_mod
+    from tr_hydra.runtime import model_prep
     pc = small_config(model=model, batch=8, train_size=24, val_size=8, res=32, val_res=32, lowres_res=32)
-    pc = type(pc)(**{**pc.__dict__, "runtime": RuntimeSpec(device="cpu", compile="none", stem=stem,
-                                                            stem_channels=stem_channels)})
-    return Trainer(pc, tmp_path / f"{stem}{stem_channels or ''}", log=log)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_prep, "stem_folded", lambda _t: stem == "space_to_depth")
+        mp.setattr(stem_mod, "stem_channel_multiple", lambda *_a: stem_channels)
+        return Trainer(pc, tmp_path / f"{stem}{stem_channels or ''}", log=log)
 
 
 def _one_step(tmp_path, stem, model, stem_channels=None, log=lambda *_: None):
@@ -105,9 +110,9 @@ def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
     off by one pixel gives O(1)). Later steps are not compared: on 8-image batches BN's bias
     gradients nearly cancel, and fp32 rounding alone then moves them by percents."""
     tr, before, got = _one_step(tmp_path, "space_to_depth", "resnet18")
-    assert tr.stem_s2d == ["conv1"] and type(tr.model.conv1) is SpaceToDepthConv2d
+    assert tr.rt.prepared.stem_s2d == ["conv1"] and type(tr.model.conv1) is SpaceToDepthConv2d
     ref_tr, ref_before, want = _one_step(tmp_path, "conv", "resnet18")
-    assert ref_tr.stem_s2d == [] and type(ref_tr.model.conv1) is ImageConv2d
+    assert ref_tr.rt.prepared.stem_s2d == [] and type(ref_tr.model.conv1) is ImageConv2d
     assert got.keys() == want.keys()
     moved = 0
     for key, w in want.items():
@@ -126,14 +131,13 @@ def test_a_step_with_the_space_to_depth_stem_equals_the_plain_conv(tmp_path):
 
 @pytest.mark.parametrize("model,stem,reads", [("resnet18", "space_to_depth", 16), ("resnet18_cifar", "conv", 8)])
 def test_a_step_reading_the_image_in_padded_channels_equals_the_plain_step(tmp_path, model, stem, reads):
-    """runtime.stem_channels in a trainer: the stem (folded, or CIFAR's plain 3x3) reads its
-    input in zero-padded channels, the run says so, and one fp32 step moves every tensor as the
-    unpadded step does (zero channels add exact zeros: the same sums; measured equal or within
-    fp32 rounding)."""
-    lines = []
-    tr, before, got = _one_step(tmp_path, stem, model, 8 if reads == 8 else 16, lines.append)
+    """A stem reading its input in zero-padded channels (as on CUDA with 16-bit autocast) in a
+    trainer: the stem (folded, or CIFAR's plain 3x3) reads them, and one fp32 step moves every
+    tensor as the unpadded step does (zero channels add exact zeros: the same sums; measured
+    equal or within fp32 rounding)."""
+    tr, before, got = _one_step(tmp_path, stem, model, 8 if reads == 8 else 16)
     assert tr.model.conv1.read_channels() == reads and tr.model.conv1.weight.shape[1] == 3
-    assert f"runtime.stem_channels={8 if reads == 8 else 16}: conv1 reads {reads} channels" in lines
+    assert tr.rt.prepared.stem_channels == (8 if reads == 8 else 16)
     _, ref_before, want = _one_step(tmp_path, stem, model)
     for key, w in want.items():
         assert torch.equal(before[key], ref_before[key]), key
@@ -142,87 +146,36 @@ def test_a_step_reading_the_image_in_padded_channels_equals_the_plain_step(tmp_p
             assert ((got[key].double() - w.double()).norm() / change).item() <= 1e-4, key
 
 
-def test_tr_bench_says_under_its_table_that_the_stem_reads_padded_channels():
-    import dataclasses
-    from tr_hydra.cli.bench import settings_lines
-    pc = small_config(model="resnet18")
-    assert pc.runtime.stem_channels == "auto" and not pc.amp
-    for device_type in ("cpu", "cuda"):  # auto pads only on CUDA with 16-bit autocast
-        assert not [ln for ln in settings_lines(pc, device_type) if "stem_channels" in ln]
-    amp = dataclasses.replace(pc, amp=True)
-    assert not [ln for ln in settings_lines(amp, "cpu") if "stem_channels" in ln]
-    assert [ln for ln in settings_lines(amp, "cuda") if "multiple of 8 channels (runtime.stem_channels=auto)" in ln]
-    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, stem_channels=16))
-    assert [ln for ln in settings_lines(pc, "cpu") if "multiple of 16 channels (runtime.stem_channels=16)" in ln]
-
-
-def test_auto_stem_channels_pad_to_eight_only_on_cuda_with_16_bit_autocast():
-    """The default, auto: a multiple of 8 on CUDA with amp, so ResNet-50's 12-channel fold reads
-    16 and a 3-channel image 8; the image as it is on CPU and in fp32; null and 1 mean as it is."""
+def test_stem_channels_pad_to_eight_only_on_cuda_with_16_bit_autocast():
+    """A multiple of 8 on CUDA with amp, so ResNet-50's 12-channel fold reads 16 and a 3-channel
+    image 8; the image as it is on CPU and in fp32. The fold itself only on CUDA."""
     from tr_hydra.models.stem import extra_channels, stem_channel_multiple
-    assert stem_channel_multiple("auto", "cuda", True) == 8
-    assert stem_channel_multiple("auto", "cpu", True) is None
-    assert stem_channel_multiple("auto", "cuda", False) is None
-    assert stem_channel_multiple(None, "cuda", True) is None
-    assert stem_channel_multiple(1, "cuda", True) is None
-    assert stem_channel_multiple(16, "cpu", False) == 16
-    m = stem_channel_multiple("auto", "cuda", True)
+    from tr_hydra.runtime.model_prep import stem_folded
+    assert stem_channel_multiple("cuda", True) == 8
+    assert stem_channel_multiple("cpu", True) is None
+    assert stem_channel_multiple("cuda", False) is None
+    assert stem_folded("cuda") and not stem_folded("cpu")
+    m = stem_channel_multiple("cuda", True)
     assert (12 + extra_channels(12, m), 3 + extra_channels(3, m), 16 + extra_channels(16, m)) == (16, 8, 16)
 
 
-def test_stem_channels_is_checked():
-    from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    from tr_hydra.errors import ConfigError
-    assert plan_config_from(compose([])).runtime.stem_channels == "auto"
-    assert plan_config_from(compose(["runtime.stem_channels=null"])).runtime.stem_channels is None
-    assert plan_config_from(compose(["runtime.stem_channels=16"])).runtime.stem_channels == 16
-    for bad in ("0", "65", "-8", "fast", "true"):
-        with pytest.raises(ConfigError, match=r"runtime.stem_channels: must be auto, null or a channel multiple"):
-            plan_config_from(compose([f"runtime.stem_channels={bad}"]))
-
-
-def test_auto_keeps_the_conv_on_cpu_and_a_stride_one_stem_stays(tmp_path):
-    tr = _trainer(tmp_path, "auto", "resnet18")
-    assert tr.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
+def test_the_cpu_keeps_the_conv_and_a_stride_one_stem_stays(tmp_path):
+    pc = small_config(model="resnet18", batch=8, train_size=24, val_size=8, res=32, val_res=32, lowres_res=32)
+    tr = Trainer(pc, tmp_path / "cpu", log=lambda *_: None)
+    assert tr.rt.prepared.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
     tr = _trainer(tmp_path, "space_to_depth", "resnet18_cifar")  # 3x3 stride 1: nothing to fold
-    assert tr.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
-
-
-def test_stem_bench_runs_and_checks_the_fold(tmp_path):
-    """The stem bench's logic on CPU: every timing present, and the space-to-depth output as close
-    to the fp32 reference as the plain conv's."""
-    import json
-
-    from tr_hydra.models.stem_bench import main
-    out = tmp_path / "stem.json"
-    assert main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
-    got = json.loads(out.read_text())
-    cases = got["cases"]
-    assert "timed_in_graph" not in got  # CUDA graphs only on CUDA
-    res = cases["tiny"]
-    for key in ("conv_c3_fwd_ms", "conv_c8_wgrad_ms", "plain_eager_fwd_wgrad_ms", "s2d_eager_fwd_wgrad_ms",
-                "s2d_c16_eager_fwd_wgrad_ms", "plain_c8_eager_fwd_wgrad_ms", "s2d_conv_only_fwd_wgrad_ms",
-                "s2d_c16_conv_only_fwd_ms", "s2d_c16_conv_only_wgrad_ms", "s2d_fold_input_ms"):
-        assert res[key] > 0, key
-    for form in ("plain", "plain_c8", "s2d", "s2d_c16"):
-        assert res[f"max_abs_err_{form}"] < 1e-4, form
-    assert main(["--device", "cpu", "--quick", "--cases", "tiny_s1", "--out", str(tmp_path / "one.json")]) == 0
-    assert list(json.loads((tmp_path / "one.json").read_text())["cases"]) == ["tiny_s1"]
-    assert main(["--device", "cpu", "--quick", "--cases", "nope", "--out", str(tmp_path / "x.json")]) == 2
-    s1 = cases["tiny_s1"]  # a stride-1 stem: nothing to fold
-    assert s1["max_abs_err_plain_c8"] < 1e-4 and s1["plain_c8_eager_fwd_wgrad_ms"] > 0
-    assert not [k for k in s1 if k.startswith("s2d")]
+    assert tr.rt.prepared.stem_s2d == [] and type(tr.model.conv1) is ImageConv2d
 
 
 def test_bn_folding_and_validation_read_the_folded_stem(tmp_path):
     """Validation with BN folded into the convs (the stem included) gives the logits of the
     plain model, and the trainer's validation equals an eager pass of the same weights."""
-    import dataclasses
+    from tr_hydra.runtime import model_prep
     pc = small_config(model="resnet18", batch=8, train_size=24, val_size=8, val_batch=8, res=32, val_res=32,
                       lowres_res=32, bn_folded=True)
-    pc = dataclasses.replace(pc, runtime=RuntimeSpec(device="cpu", compile="none", stem="space_to_depth"))
-    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    with pytest.MonkeyPatch.context() as mp:  # folded as on CUDA
+        mp.setattr(model_prep, "stem_folded", lambda _t: True)
+        tr = Trainer(pc, tmp_path, log=lambda *_: None)
     tr.fit()
     assert type(tr.model.conv1) is SpaceToDepthConv2d
     tr.model.eval()

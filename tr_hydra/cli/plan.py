@@ -46,9 +46,6 @@ def plan_table(compiled) -> str:
         rep = compiled.shapes[v.name]
         lines.append(f"{v.name:<18} {v.batch:>5} {v.res:>4} {in_bytes:>14,} {str(list(rep.logits)):>12} "
                      f"{_mib(rep.saved_activation_bytes):>18}")
-    if pc.pad_last_val and pc.has_variant("val_base") and pc.val_size % pc.variant("val_base").batch:
-        lines.append(f"  (val_base also runs the last validation batch of {pc.val_size % pc.variant('val_base').batch}, "
-                     f"padded: variants.pad_last_val)")
     rec = max((compiled.shapes[v.name].recompute_transient_bytes for v in pc.variants), default=0)
     lines += ["", f"arena total: {total:,} bytes ({_mib(total)}) in {len(plan.dtensors)} DTensors",
               f"activation pool estimate (largest train variant, shared graph pool): "

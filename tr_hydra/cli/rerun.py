@@ -1,8 +1,11 @@
 """Rerun a past run from its run dir: every value of its saved config becomes an explicit
 override (so today's defaults cannot change it), and its own hydra.* overrides (output dirs)
-come along."""
+come along. Keys that are no longer options (what they chose is fixed behaviour now) are
+dropped, and named."""
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 from tr_hydra.errors import ConfigError
@@ -19,34 +22,33 @@ def _value(v) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
     s = str(v).replace("\\", "\\\\").replace("'", "\\'")
     return f"'{s}'"
 
 
-# Keys added after runs were saved, with the value that reproduces what those runs did (their
-# default then); a saved config without the key reruns with it.
-_BEFORE_KEY = (("runtime.stem", "conv"), ("runtime.stem_channels", "null"), ("runtime.maxpool", "native"))
-
-
-def _has(config: dict, dotted: str) -> bool:
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _leaves(d: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in d.items():
+def _overrides(config: dict, schema, prefix: str = "") -> tuple[list[str], list[str]]:
+    """Overrides that set every value of ``config`` (a saved config's section of the dataclass
+    ``schema``), and the keys ``schema`` no longer has. A field of a dataclass type is a
+    section, set key by key; any other field is set whole (a map such as
+    ``runtime.inductor_options`` too)."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    out, gone = [], []
+    for k, v in config.items():
+        f = fields.get(k)
+        if f is None:
+            gone.append(prefix + k)
+            continue
         if not prefix and k in SKIP:
             continue
-        if isinstance(v, dict):
-            out += _leaves(v, f"{prefix}{k}.")
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(v, dict) and dataclasses.is_dataclass(sub):
+            more, lost = _overrides(v, type(sub), f"{prefix}{k}.")
+            out, gone = out + more, gone + lost
         else:
             out.append(f"{prefix}{k}={_value(v)}")
-    return out
+    return out, gone
 
 
 def rerun_overrides(run_dir: str | Path) -> list[str]:
@@ -55,9 +57,12 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
     cfg_path = hydra_dir / "config.yaml"
     if not cfg_path.is_file():
         raise ConfigError(f"--rerun: {cfg_path} not found (is {run_dir} a tr-train run dir?)")
-    config = yaml.safe_load(cfg_path.read_text()) or {}
-    overrides = _leaves(config)
-    overrides += [f"{key}={value}" for key, value in _BEFORE_KEY if not _has(config, key)]
+    from tr_hydra.config.schema import Config
+    overrides, gone = _overrides(yaml.safe_load(cfg_path.read_text()) or {}, Config)
+    if gone:
+        print(f"--rerun: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer "
+              f"{'an option' if len(gone) == 1 else 'options'} (what they chose is fixed now); dropped",
+              file=sys.stderr)
     hydra_yaml = hydra_dir / "hydra.yaml"
     if hydra_yaml.is_file():
         h = yaml.safe_load(hydra_yaml.read_text()) or {}

@@ -63,11 +63,9 @@ def run(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
     from tr_hydra.config.plan_config import plan_config_from
-    from tr_hydra.runtime.precompile import start_early
     with user_errors("tr-train"):
         pc = plan_config_from(cfg)
-        start_early(pc)  # the parallel compiles' launcher imports PyTorch beside this process
-        from tr_hydra.runtime.runner import Trainer
+        from tr_hydra.train.trainer import Trainer
         run_dir = HydraConfig.get().runtime.output_dir
         say = _RunLog(run_dir)
         with say.errors():

@@ -155,7 +155,7 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
-    if uses_gather(pc.runtime.maxpool, "cpu" if pc.runtime.device == "cpu" else "cuda", pc.runtime.compile):
+    if uses_gather("cpu" if pc.runtime.device == "cpu" else "cuda", pc.runtime.compile):
         gather_maxpools(meta_model)  # as the runner will: it saves a byte per output, not 8-byte indices
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc))

@@ -11,119 +11,40 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tr_hydra.config import schema
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.plan import PlanConditions
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str = "resnet_mini"
-    num_classes: int = 10
-    init_from: str | None = None
-    zero_init_residual: bool = False
-    width: int = 16
+def _plain(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str = "momentum"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    trust_coefficient: float = 0.001
-    wd_exclude_bn_bias: bool = True
-    schedule: str = "cosine"
-    warmup_epochs: float = 0.0
-    min_lr: float = 0.0
-    poly_power: float = 2.0
-    milestones: tuple[float, ...] = (30.0, 60.0, 80.0)
-    gamma: float = 0.1
+def _spec_of(schema_cls, name: str, **defaults) -> type:
+    """The frozen, hashable twin of a schema dataclass (``config.schema``, where each option is
+    declared): the same fields and defaults, enums as their values, lists as tuples;
+    ``defaults`` replace a field's default. A class of this module, so a PlanConfig pickles (the
+    parallel compiles receive one)."""
+    fs = []
+    for f in fields(schema_cls):
+        d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        fs.append((f.name, Any, field(default=_plain(defaults.get(f.name, d)))))
+    cls = dataclasses.make_dataclass(name, fs, frozen=True)
+    cls.__module__, cls.__qualname__ = __name__, name
+    return cls
 
 
-@dataclass(frozen=True)
-class DataSpec:
-    name: str = "synthetic"
-    root: str | None = None
-    path: str | None = None
-    num_classes: int = 10
-    channels: int = 3
-    image_size: int = 32
-    train_size: int | None = None
-    val_size: int | None = None
-    mean: tuple[float, ...] = (123.675, 116.28, 103.53)
-    std: tuple[float, ...] = (58.395, 57.12, 57.375)
-    shuffle: bool = True
-    augment: bool = True
-    drop_last: bool = False
-    crop_scale: tuple[float, float] = (0.08, 1.0)
-    crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)
-    val_crop: float = 1.0
-    flip: bool = True
-    cache_dir: str | None = None
-    skip_corrupt: bool = False
-    num_threads: str | int = "auto"
-    hw_decoder_load: float | None = None  # share of JPEGs for the GPU's hardware decoder (None: DALI's)
-    mmap: bool = False  # DALI's file reads: mapped (true) or plain reads (false)
-
-
-@dataclass(frozen=True)
-class TrainerSpec:
-    epochs: int = 2
-    max_steps: int | None = None
-    log_every: int = 20
-    label_smoothing: float = 0.0
-    val_every: int = 1
-    checkpoint_every: int = 1
-    keep_checkpoints: int = 2
-    sema_every: int = 0
-    loss_scale: float = 65536.0
-    loss_scale_growth_interval: int = 2000
-    max_nonfinite: int = 3
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class RuntimeSpec:
-    device: str = "auto"
-    cuda_graph: bool = True
-    compile: str = "auto"
-    deterministic: bool = False
-    warmup_steps: int = 3
-    channels_last: bool = True
-    kernels: str = "auto"
-    precompile: str | int = "auto"
-    precompile_first: bool = False
-    precompile_backward: bool = False
-    precompile_saved: bool = True
-    saved_store: bool = True  # keep the saved compiles for later runs of the same plan (see saved_compile.Store)
-    saved_store_gb: float | None = 4.0  # the store trimmed to this size, least recently used first (None: never)
-    precompile_own: str = "auto"  # which variant the training process compiles itself beside the children
-    precompile_start: str = "auto"
-    stem: str = "auto"
-    stem_channels: str | int | None = "auto"  # the convolution over the image reads its input padded to a multiple of this
-    maxpool: str = "auto"
-    recompute: str = "none"
-    prime_cudnn: bool = True
-    autotune_flush: str = "fit"
-    compile_gc: str = "deferred"  # Python's full garbage collections deferred while the step compiles
-    dynamic_batch: bool = False
-    reuse_blocks: bool = False
-    backward_streams: int = 1
-    backward_join: str = "conv"
-    # Inductor's options for the model's compile (torch.compile(options=...)), as sorted
-    # (name, value) pairs: the spec stays hashable; ``dict(...)`` gives them back
-    inductor_options: tuple = ()
-    cudnn_benchmark_limit: int | None = None  # torch.backends.cudnn.benchmark_limit (None: PyTorch's own)
-
-
-@dataclass(frozen=True)
-class DistSpec:
-    mode: str = "none"
-    lr_scaling: str = "none"
-    base_batch: int = 256
-    timeout_s: int = 600
+ModelSpec = _spec_of(schema.ModelConfig, "ModelSpec")
+OptimizerSpec = _spec_of(schema.OptimizerConfig, "OptimizerSpec")
+DataSpec = _spec_of(schema.DataConfig, "DataSpec")
+TrainerSpec = _spec_of(schema.TrainerConfig, "TrainerSpec")
+# Inductor's options as sorted (name, value) pairs, so the spec stays hashable; dict(...) gives them back
+RuntimeSpec = _spec_of(schema.RuntimeConfig, "RuntimeSpec", inductor_options=())
+DistSpec = _spec_of(schema.DistConfig, "DistSpec")
 
 
 @dataclass(frozen=True)
@@ -149,7 +70,6 @@ class PlanConfig:
     lowres_epochs: int = 0
     train_size: int = 0
     val_size: int = 0
-    pad_last_val: bool = False  # the partial last validation batch runs in val_base, padded and masked
     amp: bool = False
     amp_dtype: str = "bf16"
     ema: bool = False
@@ -200,9 +120,8 @@ class PlanConfig:
 
 def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
                   base_res: int, lowres_res: int, lowres_epochs: int, val_res: int,
-                  drop_last: bool, pad_last_val: bool = False) -> tuple[VariantSpec, ...]:
-    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists
-    (for validation, not with ``pad_last_val``: that batch then runs in val_base's graph)."""
+                  drop_last: bool) -> tuple[VariantSpec, ...]:
+    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists."""
     if batch_size > train_size:
         raise ConfigError(f"variants.batch_size={batch_size} exceeds the training set size "
                           f"({train_size}); use a batch of at most {train_size}")
@@ -217,17 +136,9 @@ def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_
     vb = min(val_batch_size, val_size)
     if vb > 0:
         out.append(VariantSpec("val_base", False, vb, val_res))
-        if val_size % vb and not pad_last_val:
+        if val_size % vb:
             out.append(VariantSpec("val_last", False, val_size % vb, val_res))
     return tuple(out)
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, enum.Enum):
-        return v.value
-    if isinstance(v, (list, tuple)):
-        return tuple(_plain(x) for x in v)
-    return v
 
 
 def _freeze(spec_cls, obj) -> Any:
@@ -240,11 +151,9 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 # options that would undo what the runtime does itself: it captures the whole step as a CUDA
-# graph (Inductor's own graphs inside it would be captured twice), and it compiles with static
-# shapes (``runtime.dynamic_batch`` for the batch size)
+# graph (Inductor's own graphs inside it would be captured twice)
 _OWNED_OPTIONS = {"triton.cudagraphs": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
-                  "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
-                  "post_grad_custom_post_pass": "tr_hydra sets it itself (runtime.backward_streams), and a pass is not a config value"}
+                  "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)"}
 
 # values that PyTorch accepts but that break a run here: (refused when, why)
 _BROKEN_VALUES = {"triton.multi_kernel": (
@@ -376,20 +285,8 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(trainer.loss_scale_growth_interval >= 1, "trainer.loss_scale_growth_interval", "must be >= 1")
     _check(trainer.sema_every >= 0, "trainer.sema_every", "must be >= 0")
     _check(runtime.warmup_steps >= 0, "runtime.warmup_steps", "must be >= 0")
-    _check(runtime.backward_streams in (1, 2) and not isinstance(runtime.backward_streams, bool),
-           "runtime.backward_streams", f"must be 1 or 2, got {runtime.backward_streams!r}")
-    _check(not (runtime.reuse_blocks and runtime.backward_streams == 2), "runtime.reuse_blocks",
-           "does not combine with runtime.backward_streams=2 (its pass cannot reach the blocks' own backward)")
-    sc = runtime.stem_channels
-    _check(sc is None or sc == "auto" or (isinstance(sc, int) and not isinstance(sc, bool) and 1 <= sc <= 64),
-           "runtime.stem_channels",
-           f"must be auto, null or a channel multiple from 1 to 64 (e.g. 8 or 16), got {sc!r}")
-    gb = runtime.saved_store_gb
-    _check(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
-           "runtime.saved_store_gb", f"must be null (no limit) or a size in GB > 0, got {gb!r}")
-    lim = runtime.cudnn_benchmark_limit
-    _check(lim is None or (isinstance(lim, int) and not isinstance(lim, bool) and lim >= 0),
-           "runtime.cudnn_benchmark_limit", f"must be null or a count >= 0 (0: every algorithm), got {lim!r}")
+    _check(runtime.saved_store_gb >= 0, "runtime.saved_store_gb",
+           f"must be a size in GB >= 0 (0: no store), got {runtime.saved_store_gb!r}")
     _check(runtime.precompile == "auto" or (isinstance(runtime.precompile, int)
                                             and not isinstance(runtime.precompile, bool)
                                             and runtime.precompile >= 0),
@@ -417,12 +314,11 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     variants = make_variants(train_size=train_size, val_size=val_size, batch_size=v.batch_size,
                              val_batch_size=v.val_batch_size, base_res=v.base_res,
                              lowres_res=v.lowres_res, lowres_epochs=v.lowres_epochs,
-                             val_res=v.val_res, drop_last=data.drop_last, pad_last_val=bool(v.pad_last_val))
+                             val_res=v.val_res, drop_last=data.drop_last)
     return PlanConfig(model=model, optimizer=opt, data=data, trainer=trainer, runtime=runtime,
                       dist=dspec, world_size=world_size,
                       variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
-                      pad_last_val=bool(v.pad_last_val),
                       amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
                       bn_folded=bool(cfg.plan.bn_folded),

@@ -1,4 +1,5 @@
-"""Dataclass schemas behind every config group, registered in Hydra's ConfigStore.
+"""Dataclass schemas behind every config group, registered in Hydra's ConfigStore: the one
+declaration of every option (``plan_config`` derives its frozen specs from these).
 
 The primary config lists ``tr_hydra_schema`` first in its defaults, so every group file is merged
 into a typed node: a wrong type, an unknown key or an unknown enum value fails at compose time.
@@ -8,8 +9,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
-
-from hydra.core.config_store import ConfigStore
 
 
 class ModelName(enum.Enum):
@@ -77,16 +76,6 @@ class Kernels(enum.Enum):
     triton = "triton"
 
 
-class Stem(enum.Enum):
-    auto = "auto"                      # space_to_depth on CUDA, conv elsewhere
-    conv = "conv"                      # the model's own convolution
-    space_to_depth = "space_to_depth"  # a stride-2 stem over the image as a stride-1 conv over 2x2 blocks
-
-
-class MaxPool(enum.Enum):
-    auto = "auto"      # gather on CUDA with Inductor, native elsewhere
-    gather = "gather"  # the backward as one gathering kernel (Triton on CUDA; PyTorch's elsewhere)
-    native = "native"  # the model's own nn.MaxPool2d
 
 
 class Recompute(enum.Enum):
@@ -94,31 +83,9 @@ class Recompute(enum.Enum):
     pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
 
 
-class BackwardJoin(enum.Enum):
-    conv = "conv"  # runtime.backward_streams=2: the weight gradient joins before its convolution's backward ends
-    next = "next"  # ... after the next convolution's input gradient (it also overlaps the kernels between)
 
 
-class AutotuneFlush(enum.Enum):
-    fit = "fit"    # Inductor's autotuning flushes L2 with at most the room under the memory high-water mark
-    full = "full"  # Inductor's own L2-sized buffer, wherever the step's memory stands
 
-
-class CompileGc(enum.Enum):
-    deferred = "deferred"  # Python's full garbage collections wait while the step compiles
-    python = "python"      # Python's collector as it is
-
-
-class PrecompileStart(enum.Enum):
-    auto = "auto"    # fork where available (Linux), else spawn
-    spawn = "spawn"  # each child a fresh Python process
-    fork = "fork"    # children forked from a launcher that has imported PyTorch, the trainer and Inductor (Linux)
-
-
-class PrecompileOwn(enum.Enum):
-    auto = "auto"    # a validation variant, where every other variant has a child of its own
-    first = "first"  # the first training variant
-    validation = "validation"  # every validation variant, one after another, and no validation child
 
 
 class PlanFormat(enum.Enum):
@@ -170,13 +137,12 @@ class DataConfig:
     drop_last: bool = False
     crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
     crop_ratio: List[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])
-    val_crop: float = 1.0
-    flip: bool = True            # random horizontal flip when augmenting        # validation: resize the shorter side to res / val_crop, center crop
+    val_crop: float = 1.0        # validation: resize the shorter side to res / val_crop, center crop
+    flip: bool = True            # random horizontal flip when augmenting
     cache_dir: Optional[str] = None
     skip_corrupt: bool = False
     num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
     hw_decoder_load: Optional[float] = None  # share of JPEGs sent to the GPU's hardware decoder; null: DALI's default
-    mmap: bool = False            # DALI reads each file by mapping it (true) or with plain reads (false: faster, measured)
 
 
 @dataclass
@@ -189,7 +155,6 @@ class VariantsConfig:
     val_res: int = 32
     train_size: Optional[int] = None  # overrides data.train_size (decides the last-batch variants)
     val_size: Optional[int] = None
-    pad_last_val: bool = False  # the partial last validation batch runs in val_base's graph, masked
 
 
 @dataclass
@@ -210,34 +175,18 @@ class TrainerConfig:
 
 @dataclass
 class RuntimeConfig:
+    """How the step runs; none of it changes what the step computes, up to rounding. Each field
+    is documented on its line in conf/runtime/default.yaml (a test keeps the two alike)."""
     device: Device = Device.auto
     cuda_graph: bool = True
     compile: CompileMode = CompileMode.auto
     deterministic: bool = False
     warmup_steps: int = 3
-    channels_last: bool = True
-    kernels: Kernels = Kernels.auto  # range ops: fused Triton kernels or the torch reference
-    precompile: Any = "auto"         # variants compiled in parallel processes: auto | a count | 0 (off)
-    precompile_first: bool = False   # the first variant too (its autotuning then runs in the child)
-    precompile_backward: bool = False  # each training variant's backward compiled in a twin process beside its forward
-    precompile_saved: bool = True    # each child saves its variant's compile whole; the training process loads it without tracing
-    saved_store: bool = True         # the saved compiles kept in Inductor's cache directory; a later run of the same model, shapes and options loads them and compiles nothing for those variants
-    saved_store_gb: Optional[float] = 4.0  # that store trimmed to this many GB after each run, least recently used compiles first (null: no limit)
-    precompile_own: PrecompileOwn = PrecompileOwn.auto  # the variant the training process compiles itself while children compile the others: auto (a validation one, the quickest: a forward only) | first | validation (all of them)
-    precompile_start: PrecompileStart = PrecompileStart.auto  # how a child starts: auto (fork on Linux, else spawn) | a fresh process | forked from a launcher that has imported PyTorch (Linux)
-    stem: Stem = Stem.auto           # how the convolution over the image is computed (same weights)
-    stem_channels: Any = "auto"  # that convolution reads its input zero-padded to a multiple of this many channels (auto: 8 on CUDA with amp; null: as is)
-    maxpool: MaxPool = MaxPool.auto  # max pooling's backward: one gathering Triton kernel on CUDA with Inductor (same numbers)
-    recompute: Recompute = Recompute.none  # with Inductor: what the backward recomputes instead of saving
-    prime_cudnn: bool = True         # cuDNN's algorithm search before the first step, not inside it
-    autotune_flush: AutotuneFlush = AutotuneFlush.fit  # autotuning's L2-flush buffer kept under the peak
-    compile_gc: CompileGc = CompileGc.deferred  # Python's full garbage collections deferred while the step compiles | python (as is)
-    reuse_blocks: bool = False       # with Inductor: each distinct residual block compiled once, its code called at every block alike
-    dynamic_batch: bool = False      # with Inductor: one compiled graph per split and resolution, the batch symbolic
-    backward_streams: int = 1        # with Inductor on CUDA: 2 runs each convolution's weight and input gradients side by side
-    backward_join: BackwardJoin = BackwardJoin.conv  # with backward_streams=2: where the weight gradient's stream joins
-    inductor_options: Any = None  # with Inductor: torch.compile(options=...) for the model's step (null: none)
-    cudnn_benchmark_limit: Optional[int] = None  # cuDNN algorithms timed per convolution (null: PyTorch's 10; 0: all)
+    kernels: Kernels = Kernels.auto
+    precompile: Any = "auto"         # auto | a count | 0
+    saved_store_gb: float = 4.0      # 0: no store
+    recompute: Recompute = Recompute.none
+    inductor_options: Any = None     # a map, as torch.compile(options=...)
 
 
 @dataclass
@@ -293,4 +242,5 @@ class Config:
 
 
 def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
     ConfigStore.instance().store(name="tr_hydra_schema", node=Config)

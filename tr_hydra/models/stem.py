@@ -4,7 +4,7 @@ A stride-2 convolution over the 3-channel image (ResNet's 7x7 stem) is a poor fi
 the H200 it ran at about 40 TFLOPS, 2.9 ms of forward and weight gradient per ResNet-50 step at
 batch 256, 8% of the step. The same convolution can be written as a stride-1 convolution over
 the image folded into 2x2 blocks (12 channels at half the height and width) with a 4x4 kernel
-rearranged from the 7x7 one plus a zero tap. That form ran in 1.5 ms (``docs/benchmarks.md``).
+rearranged from the 7x7 one plus a zero tap. That form ran in 1.5 ms (``docs/performance.md``).
 
 Only the computation changes. The module keeps its ``(O, C, kh, kw)`` weight, so the arena, the
 optimizer, checkpoints and ``state_dict`` are exactly those of the plain model. The rearranged
@@ -69,18 +69,16 @@ def fold_input(x: torch.Tensor, k: int, p: int) -> torch.Tensor:
 AUTO_STEM_CHANNELS = 8  # 16-bit channels in multiples of 8: the 16 bytes cuDNN's tensor-core kernels load
 
 
-def stem_channel_multiple(setting, device_type: str, amp: bool) -> int | None:
-    """``runtime.stem_channels`` for a run: ``auto`` pads to a multiple of 8 on CUDA with 16-bit
-    autocast (ResNet-50's 12-channel fold reads 16, a 3-channel stem 8: both measured faster on the
-    H200), and reads the image as it is elsewhere (CPU, or fp32, where no gain is measured); null
-    or 1: as it is; a number: that multiple."""
-    if setting == "auto":
-        return AUTO_STEM_CHANNELS if device_type == "cuda" and amp else None
-    return setting if setting and setting > 1 else None
+def stem_channel_multiple(device_type: str, amp: bool) -> int | None:
+    """The channel multiple the convolution over the image reads its input padded to: 8 on
+    CUDA with 16-bit autocast (ResNet-50's 12-channel fold reads 16, a 3-channel stem 8: both
+    measured faster on the H200); None (the image as it is) elsewhere (CPU, or fp32, where no
+    gain was measured)."""
+    return AUTO_STEM_CHANNELS if device_type == "cuda" and amp else None
 
 
 def extra_channels(c: int, multiple: int | None) -> int:
-    """Zero channels that bring ``c`` up to a multiple of ``multiple`` (``runtime.stem_channels``;
+    """Zero channels that bring ``c`` up to a multiple of ``multiple`` (``stem_channel_multiple``;
     None: none)."""
     return 0 if not multiple else -c % multiple
 
@@ -119,13 +117,13 @@ def recomputed(fn, x: torch.Tensor) -> torch.Tensor:
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
     # NCHW on the CPU (see nchw_compute_on_cpu); on the meta device as on CUDA, where
-    # runtime.prime_cudnn records the step's convolutions
+    # cuDNN's search before the first step records the step's convolutions
     return torch.contiguous_format if x.device.type == "cpu" else torch.channels_last
 
 
 class SpaceToDepthConv2d(nn.Conv2d):
     """A Conv2d (same parameters, same ``state_dict``) whose forward is the space-to-depth form.
-    With ``channel_multiple`` (``runtime.stem_channels``) the folded image and kernel get zero
+    With ``channel_multiple`` (``stem_channel_multiple``) the folded image and kernel get zero
     channels up to that multiple (ResNet-50's 12 to 16), in the same copy."""
 
     channel_multiple: int | None = None

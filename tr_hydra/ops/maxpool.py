@@ -1,10 +1,10 @@
-"""``runtime.maxpool``: max pooling whose backward gathers, one Triton kernel over the input.
+"""Max pooling whose backward gathers, one Triton kernel over the input.
 
 ResNet's stem pools its 112x112 activation with a 3x3 window at stride 2. Inductor computes that
 pooling's backward as a gather too, but through the int64 indices it rebuilds from the window
 offsets and with a bounds check per candidate window: on the H200 at batch 256 it was one
 kernel of 1.5 ms, the largest Triton kernel of ResNet-50's step, for a pass that moves about
-0.6 GB (``docs/benchmarks.md``).
+0.6 GB (``docs/performance.md``).
 
 Here the forward is PyTorch's (``F.max_pool2d`` with indices, which Inductor fuses with the
 BatchNorm and ReLU before it) and keeps, for each output, only the position of its maximum in
@@ -72,7 +72,7 @@ def _kernel():
 
 def __getattr__(name):
     """``maxpool_gather_backward_kernel``, made on first use (Triton imported then): a saved
-    compile (``runtime.precompile_saved``) finds the Triton kernels it launches by module and
+    compile (``runtime.saved_compile``) finds the Triton kernels it launches by module and
     name when it is loaded."""
     if name == "maxpool_gather_backward_kernel":
         return _kernel()
@@ -195,13 +195,11 @@ class GatherMaxPool2d(nn.Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-def uses_gather(setting: str, device_type: str, compile_mode: str) -> bool:
-    """``runtime.maxpool``: ``gather`` always; ``auto`` on CUDA when Inductor compiles the step
-    (eager, the forward's offsets would cost kernels of their own); ``native`` never."""
-    if setting == "gather":
-        return True
+def uses_gather(device_type: str, compile_mode: str) -> bool:
+    """Whether a run swaps its max poolings for ``GatherMaxPool2d``: on CUDA when Inductor
+    compiles the step (eager, the forward's offsets would cost kernels of their own)."""
     inductor = compile_mode == "inductor" or (compile_mode == "auto" and device_type == "cuda")
-    return setting == "auto" and device_type == "cuda" and inductor
+    return device_type == "cuda" and inductor
 
 
 def eligible(m: nn.Module) -> bool:

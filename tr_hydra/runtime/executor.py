@@ -20,19 +20,18 @@ from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
 from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
 from tr_hydra.ops import range_ops as ops
-from tr_hydra.ops.optimizers import HyperScalars, apply_update
+from tr_hydra.ops.optimizers import HyperScalars
+from tr_hydra.runtime import range_nodes
 
 R = Region
 BUFFERS = ("A", "B")
 
 
 def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pred_out, result,
-                     eps: float, grad_div: float, masked: bool = False) -> None:
+                     eps: float, grad_div: float) -> None:
     """Loss, d(mean loss)/d logits (times the loss scale; only when ``gslot`` is given), top-1
     and top-5 hits, written into their arena views. Plain torch: the same code runs eagerly or
-    compiled by Inductor (a few fused kernels instead of twenty small ones). ``masked``: rows
-    labelled -1 are padding (``variants.pad_last_val``) and count nowhere: not in the loss,
-    the hits or the sample count."""
+    compiled by Inductor (a few fused kernels instead of twenty small ones)."""
     b, k = logits.shape
     feat.copy_(logits)
     lf = feat.float()
@@ -41,11 +40,7 @@ def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pre
     hit = (classes.unsqueeze(0) == y.unsqueeze(1)).to(dist.dtype)
     dist.copy_(hit * (1.0 - eps) + eps / k)
     logp = F.log_softmax(lf, dim=1)
-    if masked:  # a padded row's logits may be anything, NaN included: selected out, not multiplied
-        valid = y >= 0
-        loss_sum = torch.where(valid, -(dist * logp).sum(1), 0.0).sum()
-    else:
-        loss_sum = -(dist * logp).sum()
+    loss_sum = -(dist * logp).sum()
     if gslot is not None:
         gslot.copy_((logp.exp() - dist) * (loss_scale / grad_div))
     pred = lf.argmax(1)
@@ -53,7 +48,7 @@ def loss_and_metrics(logits, labels, classes, loss_scale, feat, dist, gslot, pre
     top = lf.topk(min(5, k), dim=1).indices
     correct1 = (pred == y).sum()
     correct5 = (top == y.unsqueeze(1)).any(1).sum()
-    count = valid.sum().to(loss_sum.dtype) if masked else torch.full_like(loss_sum, b)
+    count = torch.full_like(loss_sum, b)
     result.copy_(torch.stack([loss_sum, correct1.float(), correct5.float(), count]))
 
 
@@ -127,18 +122,14 @@ class StepExecutor:
         # (with runtime.inductor_options, as the model's compile)
         options = dict(compiled.config.runtime.inductor_options)
         self.compile_options = options
-        # runtime.precompile_saved: a variant's forward (and backward) compiled whole, called in
-        # place of ``forward_fn``: loaded from its parallel compile's file, or, in that child,
-        # compiled and saved by ``recorder`` (saved_compile.Recorder) on the variant's first step
+        # a variant's forward (and backward) compiled whole, called in place of ``forward_fn``:
+        # loaded from a parallel compile's file or the saved store, or compiled (and, in a
+        # child, saved) by ``recorder`` (saved_compile.Recorder) on the variant's first step
         self.saved_forwards: dict[str, Callable] = {}
         self.recorder = None
         self.saved_mismatch: dict[str, str] = {}  # per variant: how a loaded compile's input differed
         self._loss_fn = loss_and_metrics if not compile_loss else \
-            torch.compile(loss_and_metrics, dynamic=False, options=options) if options \
-            else torch.compile(loss_and_metrics, dynamic=False)
-        # runtime.dynamic_batch: the compiled forward sees the batch size as a symbol, so the
-        # variants of one split and resolution share one graph
-        self.dynamic_batch = forward is not None and forward is not model and compiled.config.runtime.dynamic_batch
+            torch.compile(loss_and_metrics, dynamic=False, options=options or None)
         from tr_hydra.runtime.distributed import SINGLE
         self.dist = dist_ctx or SINGLE
         self.device = arena.device
@@ -178,8 +169,8 @@ class StepExecutor:
         if any(g is None for g in self._grad_views):
             raise ValueError("bind the model to the arena before building its executor")
         self.fused = fused_kernels(self.pc.runtime.kernels, self.device.type)
-        self._half_out, self._fused_away = self._update_cast_pairs(compiled.program.train)
-        self._grad16_in, away = self._grad_cast_pairs(compiled.program.train)
+        self._half_out, self._fused_away = range_nodes.update_cast_pairs(compiled.program.train, self.fused)
+        self._grad16_in, away = range_nodes.grad_cast_pairs(compiled.program.train, self.fused)
         self._fused_away |= away
         if not compiled.plan.conditions.matrix_grads_fp32:
             left = [n.op for n in compiled.program.train
@@ -192,43 +183,6 @@ class StepExecutor:
         self.val_ops = [self._resolve(n) for n in compiled.program.val]
         self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
         self.init_scalars()
-
-    def _update_cast_pairs(self, nodes) -> tuple[dict, set]:
-        """With the fused kernels, a weight update followed (later in the step) by the cast of
-        the same W span into its 16-bit copy becomes one pass: the update kernel writes both.
-        Returns {id(update node): 16-bit span} and the ids of the cast nodes this makes
-        redundant."""
-        if self.fused is None:
-            return {}, set()
-        half, away = {}, set()
-        for i, n in enumerate(nodes):
-            if not (n.op.startswith("RANGE_UPDATE_WEIGHT_") and self.fused.supports(n.op)):
-                continue
-            for c in nodes[i + 1:]:
-                if c.op == "RANGE_CAST_FP32_TO_FP16" and c.spans[1] == n.spans[0] and not c.arg("scale"):
-                    half[id(n)] = c.spans[0]  # by identity: the program's own node objects
-                    away.add(id(c))
-                    break
-        return half, away
-
-    def _grad_cast_pairs(self, nodes) -> tuple[dict, set]:
-        """With the fused kernels, the 16-bit -> fp32 cast of the matrix gradients (with the fp16
-        unscale) folds into the weight update that reads them: the update reads the 16-bit span
-        and unscales in the same pass, and the fp32 matrix gradients are not written. Returns
-        {id(update node): (16-bit span, scale scalar name or "")} and the cast nodes made
-        redundant."""
-        if self.fused is None:
-            return {}, set()
-        into, away = {}, set()
-        for i, c in enumerate(nodes):
-            if c.op != "RANGE_CAST_FP16_TO_FP32":
-                continue
-            for n in nodes[i + 1:]:
-                if n.op.startswith("RANGE_UPDATE_WEIGHT_") and self.fused.supports(n.op) and n.spans[1] == c.spans[0]:
-                    into[id(n)] = (c.spans[1], c.arg("scale") or "")
-                    away.add(id(c))
-                    break
-        return into, away
 
     @property
     def grads_read_16bit(self) -> list[tuple]:
@@ -272,9 +226,6 @@ class StepExecutor:
         self.s["lr"].fill_(lr)  # between steps; the captured graphs read the scalar
 
     # ------------------------------------------------------------------ resolution
-    def _span(self, span, dtype=None):
-        return self.arena.span(span[0], span[1], dtype)
-
     def _resolve(self, n: Node) -> Callable[[StepContext], None]:
         op = n.op
         if op == "read_input":
@@ -293,123 +244,7 @@ class StepExecutor:
                 step.add_(inc)
                 count.add_(inc.to(torch.int32) if gated else 1)
             return advance
-        if op == "RANGE_CLEAR":
-            buf = self._span(n.spans[0], torch.uint8)
-            return lambda ctx: ops.clear(buf)
-        if op == "RANGE_MEAN_ALLREDUCE":
-            if not self.dist.backend:
-                return lambda ctx: None  # one process, no process group: nothing to reduce
-            from tr_hydra.runtime.distributed import all_reduce_sum
-            views = [self._span(s) for s in n.spans]
-            def allreduce(ctx):
-                for v in views:  # SUM: the loss gradient already carries 1/world_size
-                    all_reduce_sum(self.dist, v)
-            return allreduce
-        if id(n) in self._fused_away:
-            return lambda ctx: None  # written by the weight update's kernel in the same pass
-        if op in ("RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"):
-            dst, src = self._span(n.spans[0]), self._span(n.spans[1])
-            scale = self.s[n.arg("scale")] if n.arg("scale") else None
-            if self.fused is not None:
-                fused = self.fused
-                return lambda ctx: fused.fused_cast(dst, src, scale)
-            return lambda ctx: ops.cast(dst, src, scale)
-        if op == "RANGE_GRAD_SCALING":
-            if n.arg("update"):
-                s, inv, tr, fi = self.s["loss_scale"], self.s["inv_loss_scale"], self.s["growth_tracker"], self.s["found_inf"]
-                interval = self.pc.trainer.loss_scale_growth_interval
-                return lambda ctx: ops.update_loss_scale(s, inv, tr, fi, interval)
-            buf, scale = self._span(n.spans[0]), self.s[n.arg("scale")]
-            return lambda ctx: ops.scale_inplace(buf, scale)
-        if op == "RANGE_CHECK_NAN":
-            return self._resolve_check(n)
-        if op.startswith("RANGE_UPDATE_"):
-            return self._resolve_update(n)
-        if op == "RANGE_EMA_PARAM_UPDATE":
-            dst, src = self._span(n.spans[0]), self._span(n.spans[1])
-            decay, step, warm = self.s["ema_decay"], self.s["step"], self.pc.ema_warmup
-            if self.fused is not None:
-                fused = self.fused
-                return lambda ctx: fused.fused_ema(dst, src, decay, step, warm)
-            return lambda ctx: ops.ema_update(dst, src, ops.ema_decay_at(decay, step, warm))
-        if op == "RANGE_ACCUM_METRICS":
-            into = n.arg("into")
-            res = self.result
-            def accum(ctx):
-                ops.accum_metrics(self.acc[ctx.extra.get("into", into)], res)
-            return accum
-        if op == "RANGE_BN_FOLD":
-            eqb, eqs = self.arena.span(R.W_EQ_BIAS), self.arena.span(R.W_EQ_SCALE)
-            bb, bw = self.arena.span(R.W_BN_BIAS), self.arena.span(R.W_BN_WEIGHT)
-            mean, var = self.arena.span(R.B_PREV_MEAN), self.arena.span(R.B_PREV_VAR)
-            eps = self._bn_eps
-            return lambda ctx: ops.bn_fold(eqb, eqs, bb, bw, mean, var, eps)
-        raise NotImplementedError(f"no executor for node {op}")
-
-    def _resolve_check(self, n: Node):
-        """One sum per region of the span (every gradient region, and the step's loss in
-        R_RESULT): the step's flag, and which regions were non-finite at the first bad step."""
-        start, end = n.spans[0]
-        regions = [Region(i) for i in range(start, end + 1) if self.plan.region_size[Region(i)]]
-        if self.fused is not None:
-            # gradients the update reads in 16 bits are checked there, not in their unwritten
-            # fp32 twins
-            for span32, span16 in self.grads_read_16bit:
-                skip = set(range(int(span32[0]), int(span32[1]) + 1))
-                regions = [r for r in regions if int(r) not in skip]
-                regions += [Region(i) for i in range(int(span16[0]), int(span16[1]) + 1)
-                            if self.plan.region_size[Region(i)]]
-        views = [self.arena.span(r, r) for r in regions]
-        self.check_regions = regions
-        flag, skipped, nonfinite = self.s["found_inf"], self.s["skipped"], self.s["nonfinite"]
-        first_step, step = self.s["nonfinite_step"], self.s["step"]
-        mask = self.nonfinite_mask[:len(regions)]
-        fp16 = bool(n.arg("fp16"))
-        count = skipped if fp16 else nonfinite
-        if self.fused is not None:  # one pass per run of adjacent same-dtype regions, one finish
-            spans, groups = [], self._check_groups(regions)
-            for first, group in groups:
-                span = self.arena.span(group[0], group[-1])  # in the regions' own dtype
-                base = self.plan.region_range(group[0], group[0])[0]
-                starts = torch.tensor([(self.plan.region_range(r, r)[0] - base) // span.element_size()
-                                       for r in group], dtype=torch.int32, device=self.device)
-                spans.append((span, starts, first))
-            flags = self.arena.view(self.plan["mask.nonfinite_flags"]).view(-1)[:len(regions)]
-            fused = self.fused
-            # plan.share_grad16: the 16-bit gradients are overwritten by the new 16-bit weights
-            # later in the step, so their sum of squares (telemetry's gradient norm) is taken
-            # here, in the pass that reads them anyway
-            sq = None
-            shared = [i for i, (_, grp) in enumerate(groups) if all(r in self.plan.shared for r in grp)]
-            if shared and self.grads_read_16bit:
-                both = self.arena.view(self.plan["temp.grad16_sumsq"]).view(-1)
-                sq = (both[0:1], both[1:2], shared[0])
-                self.grad16_sumsq = both[1:2]
-            return lambda ctx: fused.nonfinite_check(spans, flags, mask, flag, count, first_step, step, sq=sq)
-        def check(ctx):
-            bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
-            flag.copy_(bad.any().float().view(1))
-            # fp16 overflow is the loss-scale search at work; anything else is a fault
-            count.add_(flag)
-            first = (mask.sum() == 0) & bad.any()  # keep the first bad step's regions
-            mask.copy_(torch.where(first, bad.to(mask.dtype), mask))
-            first_step.copy_(torch.where(first, step + 1, first_step))
-        return check
-
-    def _check_groups(self, regions):
-        """(index of the first region, regions) for each run of regions adjacent in the arena
-        and of one dtype, in order."""
-        groups = []
-        for i, r in enumerate(regions):
-            if groups:
-                first, g = groups[-1]
-                prev = g[-1]
-                end = self.plan.region_base[prev] + self.plan.region_size[prev]
-                if self.plan.region_base[r] == end and self.arena.region_dtype(r) == self.arena.region_dtype(prev):
-                    g.append(r)
-                    continue
-            groups.append((i, [r]))
-        return groups
+        return range_nodes.bind(self, n)
 
     def nonfinite_report(self) -> str:
         """Where the first non-finite value was seen (read on demand, one host transfer)."""
@@ -419,34 +254,10 @@ class StepExecutor:
         where = ", ".join("loss" if n == "R_RESULT" else n for n in names) or "unknown"
         return f"first at step {step} in {where}"
 
-    def _resolve_update(self, n: Node):
-        w, g = self._span(n.spans[0]), self._span(n.spans[1])
-        states = [self._span(s) for s in n.spans[2:]]
-        extra = {}
-        if n.op == "RANGE_UPDATE_WEIGHT_LARS":
-            extra = {"segments": self._segments, "norms": states.pop()}
-        wd = self.s[n.arg("wd")]
-        gate = self.s[n.arg("gate")] if n.arg("gate") else None
-        op, h = n.op, self.h
-        if self.fused is not None and self.fused.supports(op):
-            fused = self.fused
-            if id(n) in self._half_out:
-                extra["half"] = self._span(self._half_out[id(n)])
-            if id(n) in self._grad16_in:
-                span16, scale = self._grad16_in[id(n)]
-                g = self._span(span16)
-                extra["g_scale"] = self.s[scale] if scale else None
-            return lambda ctx: fused.fused_update(op, w, g, states, h, wd, gate, **extra)
-        return lambda ctx: apply_update(op, w, g, states, h, wd, gate, **extra)
-
     # ------------------------------------------------------------------ compute nodes
     def _model_input(self, ctx: StepContext):
         img, lab = self.input_views(ctx.variant, ctx.buffer)
-        x = img.permute(0, 3, 1, 2)
-        if self.dynamic_batch:  # a batch of 1 stays static (Dynamo specializes sizes 0 and 1)
-            import torch._dynamo
-            torch._dynamo.maybe_mark_dynamic(x, 0)
-        return x, lab
+        return img.permute(0, 3, 1, 2), lab
 
     def _forward_of(self, variant: str, x: torch.Tensor) -> Callable:
         """The forward a variant's step calls: its saved compile where it has one, else
@@ -485,8 +296,7 @@ class StepExecutor:
                           self._variant_view("logits", ctx.variant),
                           self._variant_view("temp.label_dist", ctx.variant), gslot,
                           self.arena.view(self.plan["predicted_label"], ctx.variant).view(-1),
-                          self.result, eps, float(b * self.dist.world_size),
-                          not train and self.pc.pad_last_val)
+                          self.result, eps, float(b * self.dist.world_size))
 
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)

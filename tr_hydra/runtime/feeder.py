@@ -29,22 +29,12 @@ class Feeder:
         else:
             self._copy(buffer, variant, batch)
 
-    def _fit(self, variant: str, img: torch.Tensor, lab: torch.Tensor, n: int):
-        """The views a batch of ``n`` samples goes into. A partial last validation batch in
-        val_base's full buffer (``variants.pad_last_val``) fills its first ``n`` rows; the
-        labels of the rest become -1, which the metrics leave out (``loss_and_metrics``)."""
-        if n < img.shape[0] and variant == "val_base" and self.ex.pc.pad_last_val:
-            lab[n:].fill_(-1)
-            return img[:n], lab[:n]
-        return img, lab
-
     def _copy(self, buffer: str, variant: str, batch) -> None:
         if isinstance(batch, tuple):
             images, labels = batch
             img, lab = self.ex.input_views(variant, buffer)
             if img.shape != images.shape and images.shape[-1] != img.shape[-1]:  # padded channels
                 img = self.ex.input_views(variant, buffer, padded=True)[0]
-            img, lab = self._fit(variant, img, lab, images.shape[0])
             if img.shape != images.shape:
                 raise ValueError(f"batch of shape {tuple(images.shape)} does not fit variant {variant} "
                                  f"{tuple(img.shape)}")
@@ -56,7 +46,6 @@ class Feeder:
         from nvidia.dali.plugin.pytorch import feed_ndarray
         img, lab = self.ex.input_views(variant, buffer, padded=batch.dtype == torch.float16)
         dense = batch.images.as_tensor()
-        img, lab = self._fit(variant, img, lab, dense.shape()[0])  # rows outermost: a prefix is dense
         if tuple(dense.shape()) != tuple(img.shape):
             raise ValueError(f"DALI batch {tuple(dense.shape())} does not fit variant {variant} {tuple(img.shape)}")
         if img.dtype != batch.dtype:  # the buffers hold what DALI delivers (executor.input_dtype)

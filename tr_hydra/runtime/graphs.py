@@ -31,11 +31,18 @@ def compile_work_since(before: dict[str, int]) -> dict[str, int]:
     return {name: n - before.get(name, 0) for name, n in compile_counts().items()}
 
 
+def compile_timers(least: float = 0.0, most: int = 1 << 30) -> dict[str, float]:
+    """Every one of Dynamo's and Inductor's phase timers (``compilation_time_metrics``: summed
+    over this process's compiles; nested timers overlap) that took ``least`` seconds or more,
+    the ``most`` longest first: where a compile's time goes."""
+    from torch._dynamo.utils import compilation_time_metrics as m
+    tot = sorted(((round(sum(v), 2), k) for k, v in m.items() if v and sum(v) >= least), reverse=True)
+    return {k: t for t, k in tot[:most]}
+
+
 def phase_seconds() -> dict[str, float]:
-    """The process's running totals of every one of Dynamo's and Inductor's phase timers
-    (``torch._dynamo.utils.compilation_time_metrics``; nested timers overlap)."""
-    from tr_hydra.runtime.precompile import _timers
-    return _timers(least=0.0, most=1 << 30)
+    """The process's running totals of every one of Dynamo's and Inductor's phase timers."""
+    return compile_timers()
 
 
 def phase_seconds_since(before: dict[str, float], least: float = 0.05, most: int = 15) -> dict[str, float]:
@@ -83,7 +90,7 @@ class CudaGraphs:
         of the variants not yet warmed up goes next (the precompiler: one whose compile is done);
         without it, training variants first, in order, then validation ones. ``before_capture()``
         runs once every variant is warmed up, before the first graph is captured (a capture must
-        see no other thread's device work: runtime.prime_cudnn's search thread is ended there)."""
+        see no other thread's device work: the cuDNN search's thread is ended there)."""
         ready = before_variant or (lambda _name: None)
         pick = next_variant or (lambda names: names[0])
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
-"""Getting a model ready to run from the arena: initial weights, CPU compute format,
-deterministic pooling."""
+"""Getting a model ready to run from the arena: initial weights, the stem's and max pooling's
+fast forms on CUDA, CPU compute format, deterministic pooling."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,3 +58,44 @@ def deterministic_pools(model: torch.nn.Module) -> None:
         for child_name, child in list(m.named_children()):
             if isinstance(child, torch.nn.AdaptiveAvgPool2d) and child.output_size in (1, (1, 1)):
                 setattr(m, child_name, GlobalAvgPool())
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` changed in a model (its parameters and ``state_dict`` are untouched)."""
+    stem_s2d: list[str] = field(default_factory=list)  # convolutions over the image in space-to-depth form
+    stem_channels: int | None = None  # their input read zero-padded to a multiple of this many channels
+    maxpools: list[str] = field(default_factory=list)  # max poolings whose backward gathers in one kernel
+
+
+def stem_folded(device_type: str) -> bool:
+    """Whether the convolution over the image runs in space-to-depth form: on CUDA, where it was
+    measured faster (on the CPU there is nothing to gain)."""
+    return device_type == "cuda"
+
+
+def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, compile_mode: str,
+            deterministic: bool, log=print) -> Prepared:
+    """The model's computation set up for ``device``, in place; same weights, same numbers up to
+    rounding. On CUDA: the stride-2 convolution over the image as a stride-1 convolution over
+    2x2 blocks (``models.stem``), its input padded to 8 channels under 16-bit autocast, and,
+    with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``). On the
+    CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
+    from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
+    from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
+    out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
+    if stem_folded(device.type):
+        out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
+        if out.stem_s2d:
+            log(f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution")
+    image_input_recomputed(model, first_convs, out.stem_channels)
+    if uses_gather(device.type, compile_mode):
+        out.maxpools = gather_maxpools(model)
+        if out.maxpools:
+            log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "
+                f"in one kernel")
+    if device.type == "cpu":
+        nchw_compute_on_cpu(model)
+    if deterministic:
+        deterministic_pools(model)
+    return out

@@ -38,15 +38,12 @@ def epoch_schedule(pc: PlanConfig, epoch: int) -> list[tuple[str, int, int]]:
 
 
 def val_schedule(pc: PlanConfig) -> list[tuple[str, int, int]]:
-    """(variant, batch index, batch size) of every validation step. The partial last batch is
-    val_last's, or, with ``variants.pad_last_val``, val_base's with fewer samples than its
-    buffer holds (the feeder marks the rest as padding, and the metrics leave it out)."""
+    """(variant, batch index, batch size) of every validation step; the partial last batch is
+    val_last's."""
     if not pc.has_variant("val_base"):
         return []
     vb = pc.variant("val_base").batch
     steps = [("val_base", i, vb) for i in range(pc.val_size // vb)]
     if pc.has_variant("val_last"):
         steps.append(("val_last", len(steps), pc.variant("val_last").batch))
-    elif pc.pad_last_val and pc.val_size % vb:
-        steps.append(("val_base", len(steps), pc.val_size % vb))
     return steps

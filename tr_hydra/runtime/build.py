@@ -1,0 +1,217 @@
+"""Runtime: everything one process needs to run a plan's steps, built once: the device (and
+process group), the compiled plan, the model bound to its arena, the executor with the model's
+compiled forward, the A/B feeder and the data source. ``startup`` gets its variants compiled and
+captured; ``train`` runs epochs of them."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from tr_hydra.compiler.compile import Compiled, compile_plan, instantiate_model
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.errors import ConfigError
+from tr_hydra.memory.arena import ArenaKeeper
+from tr_hydra.memory.dtensor import DType
+from tr_hydra.runtime import distributed
+from tr_hydra.runtime.executor import StepExecutor, fused_kernels, loss_and_metrics
+from tr_hydra.runtime.feeder import Feeder
+from tr_hydra.runtime.model_prep import load_init, prepare
+
+
+def pick_device(pc: PlanConfig) -> torch.device:
+    want = pc.runtime.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device=cuda: no CUDA device is available (use runtime.device=cpu)")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def set_determinism(pc: PlanConfig) -> None:
+    if pc.runtime.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(pc.runtime.deterministic)
+    torch.backends.cudnn.deterministic = pc.runtime.deterministic
+    torch.backends.cudnn.benchmark = not pc.runtime.deterministic
+
+
+def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
+    """``runtime.compile`` resolved: Inductor compiles the model's step (``auto``: on CUDA)."""
+    return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
+
+
+class Runtime:
+    """One plan made runnable in this process. ``source``: False for a process that only
+    compiles (a parallel compile's child), which reads no data."""
+
+    def __init__(self, pc: PlanConfig, log=print, source: bool = True):
+        self.pc = pc
+        self.device = pick_device(pc)
+        self.dist = distributed.init(pc.dist.mode, self.device.type, pc.dist.timeout_s)
+        if self.device.type == "cuda" and self.dist.backend:
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.is_main = self.dist.is_main  # only rank 0 logs and writes files
+        self.log = log if self.is_main else (lambda *_: None)
+        from tr_hydra import bytecode
+        note = bytecode.note_once()  # where this run's processes keep Python's bytecode, once
+        if note:
+            self.log(note)
+        self.data_wait = 0.0  # host seconds spent getting batches
+        self.first_batch_wait = 0.0  # of the latest run_steps
+        set_determinism(pc)
+        self.compiled: Compiled = compile_plan(
+            pc, fused=fused_kernels(pc.runtime.kernels, self.device.type) is not None)
+        distributed.check_same_plan(self.dist, pc.fingerprint(), pc.describe())
+        torch.manual_seed(pc.seed)
+        model = instantiate_model(pc, "cpu")
+        if pc.model.init_from:
+            load_init(model, pc.model.init_from)
+        model = model.to(self.device).to(memory_format=torch.channels_last)
+        self.inductor = inductor_wanted(pc, self.device.type)
+        self.forward_dropped = False
+        self.prepared = prepare(model, self.compiled.model_map.first_convs, self.device, pc.amp,
+                                pc.runtime.compile, pc.runtime.deterministic, self.log)
+        self.model = model
+        if self.device.type == "cuda":
+            from tr_hydra.runtime.guards import check_memory
+            free, _ = torch.cuda.mem_get_info(self.device)
+            check_memory(self.compiled, free, str(self.device))
+        half = torch.float16 if pc.amp_dtype == "fp16" else torch.bfloat16
+        self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
+        self.arena.bind(model, pc.amp, pc.ema)
+        forward = self._compiled_forward(model) if self.inductor else model
+        if not self.inductor:
+            for key, on in ((f"runtime.recompute={pc.runtime.recompute}", pc.runtime.recompute != "none"),
+                            ("runtime.inductor_options", bool(pc.runtime.inductor_options))):
+                if on:
+                    self.log(f"{key} has no effect without Inductor (runtime.compile)")
+        self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
+                               compile_loss=self.inductor)
+        self.feeder = Feeder(self.ex)
+        self.source = self._make_source() if source else None
+        self.graphs = None  # CudaGraphs, once startup has captured the variants
+
+    def _compiled_forward(self, model):
+        """The model's forward under ``torch.compile`` (Inductor, static shapes), with
+        ``runtime.inductor_options`` and ``runtime.recompute``."""
+        import torch._dynamo as dynamo
+        from tr_hydra.runtime import inductor_compat
+        from tr_hydra.runtime.recompute import fresh_compile_for, with_recompute
+        pc = self.pc
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # one per variant and mode
+        options = dict(pc.runtime.inductor_options)
+        fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
+        # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
+        # whether Dynamo's compiled code for the forward was dropped (compiled before in this
+        # process under other options): a compile will come (startup's cuDNN search waits for one)
+        self.forward_dropped = fresh_compile_for(pc.runtime.recompute, options,
+                                                 (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ())
+        forward = torch.compile(model, dynamic=False, options=options or None)
+        if options:
+            self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
+        if inductor_compat.apply() and options.get("coordinate_descent_tuning"):
+            self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
+                     "(PyTorch issue 172819): the fixed check of later releases is used")
+        if pc.runtime.recompute != "none":
+            forward = with_recompute(forward, pc.runtime.recompute)
+            self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
+        return forward
+
+    def _make_source(self):
+        pc = self.pc
+        dt = self.arena.torch_dtype(DType.FP16 if pc.amp else DType.FP32)
+        if pc.data.name == "synthetic":
+            from tr_hydra.data.synthetic import SyntheticSource
+            # on CUDA the bank matches the input buffer's padded channels, so a batch's copy into
+            # it is one contiguous host-to-device copy (a strided one would need a device temporary)
+            pad = self.compiled.plan["input_A.data"].strides[2] if self.device.type == "cuda" else 0
+            src = SyntheticSource(pc.model.num_classes, pc.data.channels, pc.seed + 1009 * self.dist.rank,
+                                  self.device, dt, pc.train_size, pc.val_size, channel_pad=pad)
+            # the banks every variant's batches come from, made while the steps compile
+            src.build_ahead([self._request_key(v) for v in pc.variants])
+            return src
+        from tr_hydra.data.dali_source import DaliSource
+        return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
+
+    def close(self) -> None:
+        """Release the captured graphs (before the process group is destroyed: see
+        ``CudaGraphs.release``), and stop any work the data source still does ahead."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        stop = getattr(self.source, "close", None)
+        if stop is not None:
+            stop()
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, variant: str, buf: str) -> None:
+        (self.graphs or self.ex).train_step(variant, buf)
+
+    def val_step(self, variant: str, buf: str) -> None:
+        (self.graphs or self.ex).val_step(variant, buf)
+
+    def _full_batch(self, split: str) -> int:
+        """The batch size a source is asked for in ``split`` (a last batch is a part of one)."""
+        return self.pc.batch_size if split == "train" else self.pc.variant("val_base").batch
+
+    def _request_key(self, v) -> tuple[str, int, int]:
+        split = "train" if v.train else "val"
+        return (split, v.res, self._full_batch(split))
+
+    def run_steps(self, steps: list[tuple[str, int, int]], split: str, lr=None, on_step=None,
+                  epoch: int = 0) -> int:
+        """Feed and run ``steps`` ((variant, batch index, size) each). Each step is launched
+        first; the host then prepares the next batch and the feeder copies it into the idle
+        buffer while the step runs. ``lr(k)``: the learning rate of the k-th training step."""
+        if not steps:
+            return 0
+        src = self.source
+        full = self._full_batch(split)
+
+        def request(s):
+            v, i, size = s
+            return (split, i, full, size, self.pc.variant(v).res)
+
+        def batch(s):
+            t = time.perf_counter()
+            out = src.batch(*request(s), epoch=epoch)
+            self.data_wait += time.perf_counter() - t
+            return out
+
+        def prefetch(k):  # decode step k's batch in the background (sources that can)
+            if k < len(steps) and hasattr(src, "prefetch"):
+                src.prefetch(*request(steps[k]), epoch=epoch, after=self.feeder.last_copy_event())
+        bufs = ("A", "B")
+        t0 = self.data_wait
+        self.feeder.put("A", steps[0][0], batch(steps[0]))
+        self.first_batch_wait = self.data_wait - t0  # a new epoch's (or split's) first batch
+        prefetch(1)
+        step = self.train_step if split == "train" else self.val_step
+        for k, s in enumerate(steps):
+            buf = bufs[k % 2]
+            if lr is not None and split == "train":
+                self.ex.set_lr(lr(k))
+            self.feeder.before_step(buf)
+            step(s[0], buf)
+            self.feeder.after_step(buf)
+            if k + 1 < len(steps):
+                self.feeder.put(bufs[(k + 1) % 2], steps[k + 1][0], batch(steps[k + 1]))
+                prefetch(k + 2)
+            if on_step:
+                on_step(k)
+        return len(steps)
+
+    def validation(self, steps) -> None:
+        """``steps`` of validation, in eval mode with BN folded where planned."""
+        self.model.eval()
+        try:
+            with self.ex.folded():
+                self.run_steps(steps, "val")
+        finally:
+            self.model.train()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,160 @@
+"""Checkpoints: the persistent regions of the arena, byte for byte, plus what resuming needs.
+
+File layout: 8-byte magic, 32-byte SHA-256 of the payload, payload (``torch.save`` of plain
+tensors, numbers and strings). A truncated or altered file fails the checksum before anything is
+deserialised, and loading uses ``weights_only=True``: no code runs. Files are written to a
+temporary name, fsynced and renamed, so a crash leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tr_hydra.errors import TrHydraError
+from tr_hydra.memory.arena import ArenaKeeper
+from tr_hydra.memory.regions import ALL_REGIONS, Region
+
+MAGIC = b"TRHCKPT1"
+NAME = re.compile(r"^ckpt_e(\d{4})_s(\d{8})\.pt$")
+
+# Regions that carry state from step to step; I, F, T, G and per-step results are rebuilt by
+# every step, so they are not saved.
+TRANSIENT_SERIES = ("I", "F", "T", "G", "G16")
+TRANSIENT_REGIONS = {Region.R_RESULT, Region.R_PREDICTED_LABEL}
+
+
+class CheckpointError(TrHydraError):
+    pass
+
+
+def persistent_regions(arena: ArenaKeeper) -> list[Region]:
+    return [r for r in ALL_REGIONS
+            if arena.plan.region_size[r] and r.series not in TRANSIENT_SERIES and r not in TRANSIENT_REGIONS]
+
+
+@dataclass
+class Position:
+    epoch: int   # epochs completed
+    step: int    # optimizer steps completed
+
+
+def save(path: Path, arena: ArenaKeeper, *, position: Position, fingerprint: str, config: dict,
+         describe: dict, history: list, extra: dict | None = None) -> Path:
+    regions = {r.name: arena.span(r, r, torch.uint8).to("cpu", copy=True) for r in persistent_regions(arena)}
+    payload = {
+        "format": 1,
+        "regions": regions,
+        "region_sizes": {r.name: arena.plan.region_size[r] for r in ALL_REGIONS},
+        "position": {"epoch": position.epoch, "step": position.step},
+        "fingerprint": fingerprint,
+        "describe": describe,
+        "config": config,
+        "history": history,
+        "rng": {"torch": torch.get_rng_state()},
+        "extra": extra or {},
+    }
+    if torch.cuda.is_available():
+        payload["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+    data = _saved(payload)
+    return _write_atomic(Path(path), MAGIC, hashlib.sha256(data).digest(), data)
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_atomic(path: Path, *parts: bytes) -> Path:
+    """``parts`` written to a temporary name, fsynced and renamed over ``path``: a reader, or
+    a crash, sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:
+        pass
+    return path
+
+
+def atomic_save(obj, path: Path) -> Path:
+    """``torch.save(obj)`` into ``path``, whole or not at all (``model_final.pt``)."""
+    return _write_atomic(Path(path), _saved(obj))
+
+
+def load(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"resume: cannot read {path}: {e.strerror}") from None
+    if len(raw) < 40 or raw[:8] != MAGIC:
+        raise CheckpointError(f"resume: {path} is not a tr_hydra checkpoint")
+    digest, data = raw[8:40], raw[40:]
+    if hashlib.sha256(data).digest() != digest:
+        raise CheckpointError(f"resume: {path} is truncated or corrupt (checksum mismatch)")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def check_compatible(ckpt: dict, arena: ArenaKeeper, fingerprint: str, describe: dict, path) -> None:
+    """Refuse a checkpoint of another plan, naming what differs."""
+    if ckpt["fingerprint"] == fingerprint:
+        return
+    diffs = [f"{k} {ckpt['describe'].get(k)!r} vs {v!r}" for k, v in describe.items()
+             if ckpt["describe"].get(k) != v]
+    for r in ALL_REGIONS:
+        old, new = ckpt["region_sizes"].get(r.name, 0), arena.plan.region_size[r]
+        if old != new:
+            diffs.append(f"region {r.name} {old:,} vs {new:,} bytes")
+            break
+    raise CheckpointError(f"resume: {path} comes from another plan ({'; '.join(diffs) or 'layout differs'})")
+
+
+def restore(ckpt: dict, arena: ArenaKeeper) -> None:
+    for r in persistent_regions(arena):
+        src = ckpt["regions"].get(r.name)
+        dst = arena.span(r, r, torch.uint8)
+        if src is None or src.numel() != dst.numel():
+            raise CheckpointError(f"resume: region {r.name} is missing or has another size")
+        dst.copy_(src)
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+
+
+def checkpoints_in(run_dir: Path) -> list[Path]:
+    """Checkpoint files of a run dir, newest first."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if NAME.match(p.name)]
+    return sorted(found, key=lambda p: tuple(int(x) for x in NAME.match(p.name).groups()), reverse=True)
+
+
+def newest_valid(run_dir: Path, log=print) -> Path | None:
+    """The newest checkpoint that passes its checksum; broken ones are skipped with a note."""
+    for p in checkpoints_in(run_dir):
+        try:
+            load(p)
+            return p
+        except CheckpointError as e:
+            log(f"{e}; trying an older one")
+    return None
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    for p in checkpoints_in(run_dir)[max(keep, 1):]:
+        p.unlink(missing_ok=True)
