@@ -88,10 +88,18 @@ def test_resnet_mini_matches_torch_optim(tmp_path, name, lr, momentum, wd, exclu
 @pytest.mark.parametrize("name,lr,momentum,wd", CASES)
 def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
     """resnet18_cifar on 16-image batches is ill-conditioned: one lr=0.1 SGD step moves conv1 by
-    30% of its norm, and from the second step its BN-bias gradients nearly cancel, so PyTorch's own
-    fp32 run is 1e-4..1e-3 away from float64 on some tensors after 2 steps and no fp32
-    implementation can promise 1e-5 there. The check: against torch.optim in float64, every tensor
-    is within max(1e-5, 10x PyTorch fp32's own error), and at least half within 1e-5."""
+    30% of its norm, and from the second step its BN-bias gradients nearly cancel, so after 2
+    steps fp32 runs that differ only in rounding (PyTorch's own, with the batch in another order,
+    or on another CPU's kernels) land 1e-6 or 1e-3..1e-2 away from float64 on those tensors, and
+    no fp32 implementation can promise 1e-5 there; which tensors, and how many (31..102 of 102
+    within 1e-5, measured), depends on the machine. So every bound is a reference computed here,
+    against torch.optim in float64: step 1 (well conditioned) per tensor within 10x PyTorch
+    fp32's own error; step 2 per tensor within 10x the larger error of two PyTorch fp32 runs, its
+    own and one whose step 2 starts from tr_hydra's step-1 weights and statistics (so it shares
+    tr_hydra's rounding there); and as a whole as exact as those: the i-th smallest error of
+    tr_hydra's within 2x the i-th smallest of the less exact PyTorch run, for every i (so at
+    least as many tensors within 2t as PyTorch has within t, for any t, 1e-5 included)."""
+    import copy
     lr = lr * 0.1
     opt = OptimizerSpec(name=name, lr=lr, momentum=momentum, weight_decay=wd,
                         wd_exclude_bn_bias=False, schedule="constant")
@@ -99,23 +107,60 @@ def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
                       res=16, val_res=16)
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
     steps = epoch_schedule(pc, 0)[:2]
-    tr.run_steps(steps, "train")
-    got = tr.final_state_dict()
+    tr.run_steps(steps[:1], "train")
+    got1 = tr.final_state_dict()
+    tr.run_steps(steps[1:], "train", step0=1)
+    got2 = tr.final_state_dict()
     make = _torch_opt(name, lr, wd, False, momentum or 0.9)
-    exact = _reference(pc, steps, tr.source, make, torch.float64).state_dict()
-    fp32 = _reference(pc, steps, tr.source, make, torch.float32).state_dict()
-    n_exact = n = 0
-    for key, want in exact.items():
-        if key.endswith("num_batches_tracked"):
-            assert int(got[key]) == 2
-            continue
-        floor = max(1e-5, 10 * _rel(fp32[key], want))
-        err = _rel(got[key], want)
-        assert err <= floor, f"{key}: {err:.2e} > {floor:.2e}"
-        n, n_exact = n + 1, n_exact + (err <= 1e-5)
-    # Adam's m/sqrt(v) turns tiny gradient differences on near-zero tensors into full-size update
-    # differences, so "most" means at least half here
-    assert n_exact >= 0.5 * n, f"only {n_exact}/{n} tensors within 1e-5"
+
+    def torch_run(dtype):
+        """torch.optim on the same model and batches (as _reference): the state after each
+        step; in fp32 also step 2 of the same model and optimizer from tr_hydra's step 1."""
+        torch.manual_seed(pc.seed)
+        model = instantiate_model(pc).to(dtype)
+        model.train()
+        runs = [(model, make(model))]
+        after = [[] for _ in range(2)]
+        for j, (v, i, size) in enumerate(steps):
+            if j == 1 and dtype == torch.float32:
+                fork = copy.deepcopy(runs[0])  # the optimizer's own state after step 1 kept
+                fork[0].load_state_dict(got1)
+                runs.append(fork)
+            x, y = tr.source.batch("train", i, pc.batch_size, size, pc.variant(v).res)
+            for r, (m, o) in enumerate(runs):
+                loss = F.cross_entropy(m(x.permute(0, 3, 1, 2).to(dtype).contiguous()), y.long())
+                o.zero_grad()
+                loss.backward()
+                o.step()
+                sd = m.state_dict()  # the last step's as it is: nothing moves it after
+                after[r].append({k: t.detach().clone() for k, t in sd.items()} if j == 0 else sd)
+        return after
+
+    (exact1, exact2), _ = torch_run(torch.float64)
+    (fp32_1, fp32_2), (from_ours,) = torch_run(torch.float32)
+    keys = [k for k in exact2 if not k.endswith("num_batches_tracked")]
+    for key in set(exact2) - set(keys):
+        assert int(got1[key]) == 1 and int(got2[key]) == 2
+    # no bound is 0: every fp32 tensor is at least as far from float64 as float64 rounded to fp32
+    for k in keys:
+        err, bound = _rel(got1[k], exact1[k]), 10 * _rel(fp32_1[k], exact1[k])
+        assert err <= bound, f"step 1, {k}: {err:.2e} > {bound:.2e} (10x PyTorch fp32's own)"
+    ours = {k: _rel(got2[k], exact2[k]) for k in keys}
+    theirs = {k: _rel(fp32_2[k], exact2[k]) for k in keys}
+    theirs_from_ours = {k: _rel(from_ours[k], exact2[k]) for k in keys}
+    for k in keys:
+        bound = 10 * max(theirs[k], theirs_from_ours[k])
+        assert ours[k] <= bound, (f"{k}: {ours[k]:.2e} > {bound:.2e} (10x PyTorch fp32's own "
+                                  f"{theirs[k]:.2e}, from tr_hydra's step 1 {theirs_from_ours[k]:.2e})")
+    ranked = sorted(ours.values())
+    worse = [max(a, b) for a, b in zip(sorted(theirs.values()), sorted(theirs_from_ours.values()))]
+    within = lambda errs, t: sum(e <= t for e in errs)
+    for i, (e, w) in enumerate(zip(ranked, worse)):
+        assert e <= 2 * w, (
+            f"tr_hydra's {i + 1}-th most exact tensor is {e:.2e} from float64, PyTorch fp32's {w:.2e}; "
+            f"within 1e-5: tr_hydra {within(ranked, 1e-5)}/{len(keys)} (within 2e-5: "
+            f"{within(ranked, 2e-5)}), PyTorch {within(theirs.values(), 1e-5)}, from tr_hydra's "
+            f"step 1 {within(theirs_from_ours.values(), 1e-5)}")
 
 
 def _lars_reference(pc, steps, source, lr, wd, tc, mom, eps):

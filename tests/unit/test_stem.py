@@ -226,20 +226,26 @@ def _saved_for_backward(model, x):
 def test_compiled_stem_keeps_the_input_buffer_not_its_copy(cls, stride):
     """Compiled, the convolution over the image keeps the input (a view of the arena's fp16
     input buffer, free to keep) for its weight gradient, not the bf16 copy it reads (folded, for
-    space-to-depth), which the backward recomputes. The gradients: those of the plain conv
-    compiled the same way up to fp32 summation order (``ImageConv2d``: the same convolution;
-    measured: BN's weight gradient 7.6e-8 apart, every other one equal), and those of eager
-    autograd up to bf16 rounding."""
+    space-to-depth), which the backward recomputes. The gradients, against the plain conv
+    compiled the same way over the image laid out as the stem's copy is (contiguous: NCHW on the
+    CPU; over the NHWC view the plain conv's copy keeps that layout, and how far the two
+    layouts' kernels land apart is the CPU's: 7.6e-8 on BN's weight gradient with AVX-512's
+    oneDNN, 4e-3..7e-3 on the conv's with AVX2's bf16 fallback, measured): ``ImageConv2d`` (the same
+    convolution) the same numbers; space-to-depth (the same sums in another order) within one
+    bf16 step of each element. And those of eager autograd up to bf16 rounding: no further from
+    the fp32 gradients (autocast off) than 2x eager autocast's or the plain conv's distance."""
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 16, 7 if stride == 2 else 3, stride, 3 if stride == 2 else 1, bias=False)
     model = nn.Sequential(conv, nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3, 1, 1))
     buf = torch.randn(2, 20, 20, 4).to(torch.float16)  # NHWC, padded to 4 channels as planned
     x = buf[..., :3].permute(0, 3, 1, 2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(x).float().square().mean().backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    plain, plain_grads = _saved_for_backward(model, x)
+    want, fp32 = {}, {}
+    for grads, autocast in ((want, True), (fp32, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(x if autocast else x.float()).float().square().mean().backward()
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    plain, plain_grads = _saved_for_backward(model, x.contiguous())
     copy = [s for s in plain if not s[0] and s[2] == torch.bfloat16 and s[1][0] == 2 and s[1][1] in (3, 12)]
     assert copy  # the plain conv keeps its bf16 copy of the image (the reference behaviour)
     conv.__class__ = cls
@@ -247,12 +253,16 @@ def test_compiled_stem_keeps_the_input_buffer_not_its_copy(cls, stride):
     assert (True, (2, 3, 20, 20), torch.float16) in saved  # the input buffer itself
     assert not [s for s in saved if not s[0] and s[2] == torch.bfloat16 and s[1][0] == 2 and s[1][1] in (3, 12)]
     assert got.keys() == want.keys()
-    if cls is ImageConv2d:  # the same convolution: the same numbers, but for the order of sums
-        assert all(torch.allclose(got[k], plain_grads[k], rtol=1e-6, atol=1e-6 * plain_grads[k].abs().max().item())
-                   for k in want)
-        assert torch.equal(got["0.weight"], plain_grads["0.weight"])
-    for k in want:  # the folded form: the same sums in another order (exact in float64, above)
-        assert torch.allclose(got[k], want[k], rtol=2e-2, atol=2e-2 * want[k].abs().max().item()), k
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    for k, ref in plain_grads.items():
+        if cls is ImageConv2d:
+            assert torch.equal(got[k], ref), (k, (got[k] - ref).abs().max().item())
+        else:  # the folded form: the same sums in another order (exact in float64, above)
+            _, e = torch.frexp(ref)
+            step = rel(ref + torch.ldexp(torch.ones_like(ref), e - 8), ref)  # bf16: 8 significant bits
+            assert rel(got[k], ref) <= step, (k, rel(got[k], ref), step)
+        bf16 = max(rel(want[k], fp32[k]), rel(ref, fp32[k]))
+        assert rel(got[k], fp32[k]) <= 2 * bf16, (k, rel(got[k], fp32[k]), bf16)
 
 
 def _compiled_kernels(stride, multiple):
