@@ -36,3 +36,19 @@ class AlignmentError(PlanError):
 
 class ModelMappingError(PlanError):
     """A model parameter or buffer fits no region."""
+
+
+class RunDirError(TrHydraError):
+    """The run dir cannot be made or written (a path through a file, no permission)."""
+
+
+class DiskError(RunDirError):
+    """A file of the run cannot be written (read-only file system, full disk, no permission):
+    the message names the file and the cause."""
+
+
+def disk_error(what: str, path, e: OSError, action: str = "write") -> DiskError:
+    """``what: cannot <action> <path>: <cause>`` from an OSError (its strerror, not its repr)."""
+    import os
+    where = os.fsdecode(path) if path is not None else (os.fsdecode(e.filename) if e.filename else "?")
+    return DiskError(f"{what}: cannot {action} {where}: {e.strerror or type(e).__name__}")

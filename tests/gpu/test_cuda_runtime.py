@@ -379,3 +379,55 @@ def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_p
     assert counters["stats"]["unique_graphs"] == graphs, "the baseline compiled again"
     assert cudagraph_trees.get_manager(idx, create_if_none_exists=False) is manager
     recompute._compiled_with.clear()
+
+
+@pytest.mark.parametrize("compile", ["none", "inductor"])
+def test_skipped_steps_on_graph_leave_every_persistent_region_bn_statistics_included(tmp_path, compile):
+    """Inside the captured step (fused kernels, bf16 AMP, EMA): a non-finite step leaves every
+    persistent region byte for byte, the BN running statistics its forward moved included; a
+    clean step moves them again; once trainer.max_nonfinite is reached, a clean step is
+    skipped as well (issue 48, items 5 and 6)."""
+    from tr_hydra.config.plan_config import TrainerSpec
+    from tr_hydra.memory.regions import Region as R
+    from tr_hydra.train import checkpoint as ck
+    pc = small_config(device="cuda", amp=True, ema=True, compile=compile,
+                      optimizer=OptimizerSpec(name="adamw", lr=1e-3, schedule="constant"),
+                      trainer=TrainerSpec(epochs=1, max_nonfinite=2))
+    tr = Trainer(pc, tmp_path, log=lambda *_: None, telemetry=False)
+    tr.get_ready()
+    assert tr.graphs is not None and tr.ex.fused is not None
+    tr.run_steps(epoch_schedule(pc, 0)[:2], "train")
+    regions = [r for r in ck.persistent_regions(tr.arena) if r.series != "S" and r is not R.R_RESULT_ACCUMULATED]
+
+    def persistent():
+        torch.cuda.synchronize()
+        return {r.name: tr.arena.span(r, r, torch.uint8).clone() for r in regions}
+
+    def step(fill):
+        img, _ = tr.ex.input_views("train_base", "A")
+        if fill is None:
+            img.copy_(torch.randn(img.shape, device=img.device, generator=torch.Generator(img.device).manual_seed(0)))
+        else:
+            img.fill_(fill)
+        tr.graphs.train_step("train_base", "A")
+        torch.cuda.synchronize()
+
+    def changed(a, b):
+        return [k for k in a if not torch.equal(a[k], b[k])]
+
+    before = persistent()
+    bn = tr.arena.span(R.B_PREV_MEAN, R.B_PREV_VAR).clone()
+    step(float("inf"))
+    assert tr.ex.scalar("found_inf") == 1.0 and tr.ex.scalar("nonfinite") == 1.0
+    assert changed(before, persistent()) == []
+    step(None)  # a clean step: taken
+    assert tr.ex.scalar("found_inf") == 0.0
+    after = tr.arena.span(R.B_PREV_MEAN, R.B_PREV_VAR)
+    assert not torch.equal(after, bn) and torch.isfinite(after).all()
+    assert "W_DEEP_CONV" in changed(before, persistent())
+    before = persistent()
+    step(float("nan"))  # the second: the limit is reached
+    assert tr.ex.nonfinite_limit_state() == (True, 0)
+    step(None)  # clean, but after the limit: skipped too, not counted
+    assert tr.ex.nonfinite_limit_state() == (True, 1) and tr.ex.scalar("nonfinite") == 2.0
+    assert changed(before, persistent()) == []

@@ -119,9 +119,13 @@ def test_rerun_from_saved_config_is_exact(tmp_path):
     a = json.loads((tmp_path / "orig" / "metrics.json").read_text())["history"]
     b = json.loads((tmp_path / "again" / "metrics.json").read_text())["history"]
     assert _strip(a) == _strip(b)
-    # output-dir settings of the original run come along unless overridden
+    # without a run dir of its own, a rerun lands in a new one (Hydra's outputs/<date>/<time>
+    # under its working directory), not in the run it replays
+    before = (tmp_path / "again" / "metrics.json").read_bytes()
     out = run("tr-train", "--rerun", str(tmp_path / "again"), "trainer.epochs=1", cwd=tmp_path)
-    assert out.returncode == 0 and (tmp_path / "again" / "metrics.json").is_file()
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert (tmp_path / "again" / "metrics.json").read_bytes() == before
+    assert len(list((tmp_path / "outputs").glob("*/*/metrics.json"))) == 1
 
 
 def test_multirun_sweep_prints_summary(tmp_path):

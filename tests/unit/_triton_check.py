@@ -94,6 +94,13 @@ def main(device: str) -> int:
         # values of order 1), which torch.lerp's kernel rounds in two steps
         if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):
             failures.append(f"ema warmup={warm}: max abs diff {(a - b).abs().max().item():.2e}")
+        for gate in (0.0, 1.0):  # a taken step, and a skipped one: the EMA keeps its values exactly
+            a, b = e.clone(), e.clone()
+            ref.ema_update(a, w, ref.ema_decay_at(s(0.999), s(5.0), warm), s(gate))
+            tri.fused_ema(b, w, s(0.999), s(5.0), warm, s(gate))
+            if not torch.allclose(a, b, rtol=1e-6, atol=1e-6) or (gate and not torch.equal(b, e)):
+                failures.append(f"ema warmup={warm} gate={gate}: max abs diff {(a - b).abs().max().item():.2e}")
+    failures += check_nonfinite_limit(dev)
     failures += check_nonfinite(dev)
     failures += check_executor_fuses_update_and_cast(dev)
     print("\n".join(failures) or "ok")
@@ -190,6 +197,27 @@ def _check_fused_skip(tr) -> list[str]:
         failures.append("executor: after a skipped step the 16-bit weights are not the masters' cast")
     if ex.scalar("loss_scale") >= scale:
         failures.append("executor: the fp16 loss scale did not back off")
+    return failures
+
+
+def check_nonfinite_limit(dev) -> list[str]:
+    """trainer.max_nonfinite's device state over a run of steps (flags 0/1 as the check writes
+    them), the fused kernel against the reference, step by step."""
+    failures = []
+    flags = [0, 1, 0, 1, 0, 0, 1, 0]
+    for limit in (1.0, 2.0, 5.0):
+        st = {k: (torch.zeros(1, device=dev), torch.zeros(1, device=dev),
+                  torch.tensor([limit, 0.0, 0.0, 0.0], device=dev)) for k in ("ref", "tri")}
+        for t, f in enumerate(flags):
+            for k, fn in (("ref", ref.nonfinite_limit), ("tri", tri.nonfinite_limit)):
+                flag, count, state = st[k]
+                flag.fill_(float(f))
+                count.add_(flag)  # as the check counts it
+                fn(flag, count, state)
+            got = [torch.cat(st["tri"]).tolist()]
+            want = [torch.cat(st["ref"]).tolist()]
+            if got != want:
+                failures.append(f"nonfinite limit {limit} step {t}: got {got}, want {want}")
     return failures
 
 

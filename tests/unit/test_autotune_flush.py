@@ -5,7 +5,6 @@ only the timing body is replaced, since it needs a GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tr_hydra.startup import autotune_flush as af
 

@@ -1,7 +1,10 @@
 """Rerun a past run from its run dir: every value of its saved config becomes an explicit
-override (so today's defaults cannot change it), and its own hydra.* overrides (output dirs)
-come along. Keys that are no longer options (what they chose is fixed behaviour now) are
-dropped, and named."""
+override (so today's defaults cannot change it), and its own hydra.* overrides come along,
+except where it ran: a rerun never writes into the run it replays, so the original's
+``hydra.run.dir``, ``hydra.sweep.*`` and ``hydra.mode`` are dropped and Hydra picks a new
+``outputs/<date>/<time>`` (a ``hydra.run.dir=...`` on the rerun's own command line is honoured,
+and refused by tr-train if that dir holds another run's results). Keys that are no longer
+options (what they chose is fixed behaviour now) are dropped, and named."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +14,14 @@ from pathlib import Path
 from tr_hydra.errors import ConfigError
 
 SKIP = {"recipe"}  # a recipe's values are already in the saved config
+
+# the original's own place and mode (a sweep job's hydra.mode=MULTIRUN would make the rerun a sweep)
+_WHERE_IT_RAN = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id")
+
+
+def _where_it_ran(override: str) -> bool:
+    key = override.split("=", 1)[0].lstrip("+~")
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in _WHERE_IT_RAN)
 
 
 def _value(v) -> str:
@@ -66,5 +77,6 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
     hydra_yaml = hydra_dir / "hydra.yaml"
     if hydra_yaml.is_file():
         h = yaml.safe_load(hydra_yaml.read_text()) or {}
-        overrides += list(((h.get("hydra") or {}).get("overrides") or {}).get("hydra") or [])
+        saved = ((h.get("hydra") or {}).get("overrides") or {}).get("hydra") or []
+        overrides += [o for o in saved if not _where_it_ran(str(o))]
     return overrides

@@ -2,19 +2,171 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
+from pathlib import Path
 
-from tr_hydra.cli._common import compose, fail, user_errors
+from tr_hydra.cli._common import compose, fail, one_line, user_errors
 from tr_hydra.config.locate import config_dir
+from tr_hydra.errors import ConfigError
+
+# this process's sweep (-m): how many jobs ran, and "job N: reason" for each that failed (main's exit code)
+_SWEEP = {"jobs": 0, "failed": []}
+EXIT_JOBS_FAILED = 1  # a sweep ran to its end and some of its jobs failed (2: refused before anything ran)
 
 
 def _is_multirun(argv: list[str]) -> bool:
-    return any(a in ("-m", "--multirun") for a in argv)
+    return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
 
 
 def _overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra")]
+
+
+def _all_overrides(argv: list[str]) -> list[str]:
+    """The overrides, hydra.* ones included."""
+    return [a for a in argv if not a.startswith("-") and "=" in a]
+
+
+# ---------------------------------------------------------------------------- the run dir
+RESULTS = ("metrics.json", "model_final.pt")
+
+
+def results_in(run_dir) -> list[str]:
+    """What of a run a dir holds: metrics.json, model_final.pt, checkpoints (empty: none)."""
+    d = Path(run_dir)
+    found = [n for n in RESULTS if (d / n).is_file()]
+    n = len(list((d / "checkpoints").glob("ckpt_e*_s*.pt"))) if (d / "checkpoints").is_dir() else 0
+    if n:
+        found.append(f"{n} checkpoint{'s' if n != 1 else ''}")
+    return found
+
+
+def _saved_describe(run_dir) -> dict | None:
+    import json
+    try:
+        d = json.loads((Path(run_dir) / "metrics.json").read_text()).get("describe")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _saved_model(run_dir) -> dict:
+    """The model section of the config saved in the run dir (.hydra/config.yaml: still the
+    earlier run's before Hydra starts this one)."""
+    import yaml
+    try:
+        m = (yaml.safe_load((Path(run_dir) / ".hydra" / "config.yaml").read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return {}
+    return m if isinstance(m, dict) else {}
+
+
+def check_run_dir(key: str, run_dir, pc) -> None:
+    """A run never writes into another run's results. A dir that holds metrics.json,
+    model_final.pt or checkpoints is taken only by a resume (``resume=auto`` or a checkpoint)
+    of that same run: one of the same plan, as the dir records it: metrics.json's
+    ``describe`` (model, classes, optimizer, precision, EMA, folding, variant shapes) and the
+    model section of the saved .hydra/config.yaml (width, zero_init_residual: the rest of the
+    plan's fingerprint); the resume itself then checks the checkpoint's fingerprint. Anything
+    else is refused before anything is written there."""
+    found = results_in(run_dir)
+    if not found:
+        return
+    where = f"{key}={run_dir}" if key == "hydra.run.dir" else f"the job's dir {run_dir}"
+    held = f"{where} already holds a run's results ({', '.join(found)})"
+    if not pc.resume:
+        raise ConfigError(f"{held}; a run never writes over another's: leave {key} out (a new dir), "
+                          f"pick another, or add resume=auto to continue that run")
+    saved = _saved_describe(run_dir) or {}
+    diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in pc.describe().items() if k in saved and saved[k] != v]
+    model = _saved_model(run_dir)
+    diffs += [f"model.{k} {model[k]!r} there, {v!r} here" for k, v in vars(pc.model).items()
+              if k not in ("name", "num_classes", "init_from") and k in model and model[k] != v
+              and not (isinstance(model[k], str) and "${" in model[k])]  # saved unresolved
+    if diffs:
+        raise ConfigError(f"{held} of another plan ({'; '.join(diffs)}); a resume continues only "
+                          f"that same run: pick another {key}")
+
+
+def check_writable(key: str, path) -> None:
+    """``path`` (a run or sweep dir) can be made and written into; refused naming the path and
+    the cause otherwise. The dirs made for the check are removed again (Hydra makes them)."""
+    import tempfile
+    p = Path(path)
+    made, q = [], p
+    while not os.path.lexists(q) and q != q.parent:
+        made.append(q)
+        q = q.parent
+    if os.path.lexists(q) and not q.is_dir():
+        kind = "a file, not a directory" if q.is_file() else "not a directory"
+        raise ConfigError(f"{key}={path}: cannot make the dir: {q} is {kind}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".tr_hydra_write_check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        bad = e.filename if e.filename and Path(e.filename) != p and not str(e.filename).startswith(
+            str(p / ".tr_hydra_write_check")) else None
+        what = f"cannot make {p}" if made else f"cannot write into {p}"
+        raise ConfigError(f"{key}={path}: {what}: {e.strerror or e}" + (f" ({bad})" if bad else "")) from None
+    finally:
+        for d in made:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _hydra_dirs(argv: list[str]):
+    """(hydra.run.dir, hydra.sweep.dir) as Hydra will resolve them; None where they do not compose."""
+    try:
+        h = compose(_all_overrides(argv), return_hydra_config=True).hydra
+        return str(h.run.dir), str(h.sweep.dir)
+    except Exception:  # noqa: BLE001 - Hydra itself reports what does not compose
+        return None, None
+
+
+def _sweep_jobs(argv: list[str]) -> list[list[str]]:
+    """The jobs of a -m sweep, each as its overrides (as Hydra's basic sweeper expands them)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parsed = OverridesParser.create().parse_overrides(_all_overrides(argv))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool) -> None:
+    """What Hydra would report as a multi-line error or a traceback, as one line (exit 2),
+    before anything is written: the config of the run (or every job of a sweep), the run or
+    sweep dir (writable, not holding another run's results)."""
+    from tr_hydra.config.plan_config import plan_config_from
+    with user_errors("tr-train"):
+        if not multirun:
+            pc = plan_config_from(compose(_overrides(argv)))
+            run_dir, _ = _hydra_dirs(argv)
+            if rank0 and run_dir is not None:
+                check_writable("hydra.run.dir", run_dir)
+                check_run_dir("hydra.run.dir", run_dir, pc)
+            return
+        # a sweep: every job's config composes (a value of the wrong type is refused here, naming
+        # key and value); the checks of each job's values are its own (a failed job is a row)
+        jobs = _sweep_jobs(argv)
+        for job in jobs:
+            compose(_overrides(job))
+        _, sweep_dir = _hydra_dirs(jobs[0] if jobs else argv)
+        if rank0 and sweep_dir is not None:
+            check_writable("hydra.sweep.dir", sweep_dir)
+            jobs_there = Path(sweep_dir).iterdir() if Path(sweep_dir).is_dir() else ()
+            held = sorted((d.name for d in jobs_there if d.is_dir() and results_in(d)), key=lambda n: (len(n), n))
+            resumes = all(any(o.split("=", 1)[0].lstrip("+") == "resume" and o.split("=", 1)[1] not in
+                              ("null", "None", "") for o in job) for job in jobs)
+            if held and not resumes:
+                raise ConfigError(f"hydra.sweep.dir={sweep_dir} already holds another sweep's results "
+                                  f"(job{'s' if len(held) > 1 else ''} {', '.join(held)}); a run never "
+                                  f"writes over another's: leave hydra.sweep.dir out (a new dir), pick "
+                                  f"another, or add resume=auto to continue those jobs")
 
 
 def _close(trainer) -> None:
@@ -59,29 +211,62 @@ class _RunLog:
 
 
 def run(cfg) -> dict:
-    """The Hydra task: one training run in the Hydra run dir."""
+    """The Hydra task: one training run in the Hydra run dir. Alone, a mistake or a stop ends
+    the process with one line (exit 2); in a sweep (-m) a job's error of any kind is that job's
+    ``failed.txt`` and its row in the summary, and the sweep goes on to the next job."""
     from hydra.core.hydra_config import HydraConfig
-
-    from tr_hydra.config.plan_config import plan_config_from
-    with user_errors("tr-train"):
-        pc = plan_config_from(cfg)
-        from tr_hydra.train.trainer import Trainer
-        run_dir = HydraConfig.get().runtime.output_dir
-        say = _RunLog(run_dir)
-        with say.errors():
-            trainer = Trainer(pc, run_dir, log=say)
-            if not trainer.is_main:
-                try:
-                    trainer.fit()
-                finally:
-                    _close(trainer)
-                return {}
-            say(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
-                f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}")
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    if hc.mode != RunMode.MULTIRUN:
+        with user_errors("tr-train"):
             try:
-                result = trainer.fit()
+                return _train(cfg, run_dir, "hydra.run.dir")
+            except OSError as e:  # a disk error (the run dir, a checkpoint) is one line too
+                fail("tr-train", e)
+    from tr_hydra.telemetry.sweep import FAILED
+    _SWEEP["jobs"] += 1
+    failed = Path(run_dir) / FAILED
+    try:
+        failed.unlink(missing_ok=True)  # a resumed job's earlier failure
+        return _train(cfg, run_dir, "hydra.sweep.dir")
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a sweep survives a failed job; Ctrl-C ends it
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            import traceback
+            traceback.print_exception(e)
+        reason = one_line(e) if not isinstance(e, SystemExit) else f"exited with status {e.code}"
+        _SWEEP["failed"].append(f"job {hc.job.num}: {reason}")
+        print(f"tr-train: job {hc.job.num} failed: {reason}", file=sys.stderr, flush=True)
+        try:
+            failed.write_text(reason + "\n")
+        except OSError as w:
+            print(f"tr-train: {failed} not written: {w.strerror}", file=sys.stderr, flush=True)
+        return {"failed": reason}
+
+
+def _train(cfg, run_dir: str, key: str) -> dict:
+    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.runtime.world import env_world
+    pc = plan_config_from(cfg)
+    w = env_world()
+    if w is None or w[0] == 0:  # the other ranks keep no run dir of their own
+        check_run_dir(key, run_dir, pc)
+    from tr_hydra.train.trainer import Trainer
+    say = _RunLog(run_dir)
+    with say.errors():
+        trainer = Trainer(pc, run_dir, log=say)
+        if not trainer.is_main:
+            try:
+                trainer.fit()
             finally:
                 _close(trainer)
+            return {}
+        say(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
+            f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}")
+        try:
+            result = trainer.fit()
+        finally:
+            _close(trainer)
     if result.preempted:
         return {}
     last = result.epochs[-1] if result.epochs else {}
@@ -125,12 +310,11 @@ def _rank_overrides() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    argv = _expand_rerun(argv) + _rank_overrides()
-    if not _is_multirun(argv) and not any(a.startswith("--") for a in argv):
-        # Compose once up front so a bad override is one line, not a Hydra report.
-        with user_errors("tr-train"):
-            from tr_hydra.config.plan_config import plan_config_from
-            plan_config_from(compose(_overrides(argv)))
+    rank = _rank_overrides()
+    argv = _expand_rerun(argv) + rank
+    multirun = _is_multirun(argv)
+    if not any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):  # not --help, --cfg, ...
+        _check_before_hydra(argv, multirun, rank0=not rank)
     import hydra
     task = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(run)
     sys.argv = [sys.argv[0]] + argv
@@ -140,6 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as e:  # Hydra reports most errors itself; anything else is one line too
         fail("tr-train", e)
+    if multirun:
+        # the summary's rows (its callback reads each job's dir, whatever launcher ran the jobs),
+        # or what the jobs in this process said
+        from tr_hydra.telemetry.sweep import LAST
+        rows = LAST.get("rows") or []
+        failed = max(sum(1 for r in rows if r.get("failed")), len(_SWEEP["failed"]))
+        jobs = max(len(rows), _SWEEP["jobs"])
+        if failed:
+            print(f"tr-train: {failed} of {jobs} sweep jobs failed (rows 'failed:' in the summary)",
+                  file=sys.stderr, flush=True)
+            return EXIT_JOBS_FAILED
     return 0
 
 

@@ -53,6 +53,8 @@ class RangeOp(enum.Enum):
     RANGE_GRAD_SCALING = "RANGE_GRAD_SCALING"
     RANGE_ACCUM_METRICS = "RANGE_ACCUM_METRICS"
     RANGE_BN_FOLD = "RANGE_BN_FOLD"
+    RANGE_RESTORE_IF_SKIPPED = "RANGE_RESTORE_IF_SKIPPED"
+    RANGE_NONFINITE_LIMIT = "RANGE_NONFINITE_LIMIT"
 
 
 Span = tuple[Region, Region]
@@ -119,11 +121,22 @@ def build_program(compiled) -> StepProgram:
     # the 16-bit ones (unscaling fp16) in place of the cast below
     g16_read = amp and not compiled.plan.conditions.matrix_grads_fp32
 
+    # training-mode BatchNorm updates its running statistics in place in the forward, before
+    # the step knows whether it will be skipped: they are copied aside first and put back when
+    # it is (the copy lives in the plan's T_TEMP_FP32, so the captured graph allocates nothing)
+    bn_stats = "temp.bn_stats" in compiled.plan
     t: list[Node] = [
         Node(GraphId.ZERO_GRAD, RangeOp.RANGE_CLEAR.value, ((R.R_RESULT, R.R_RESULT),),
              note="the step's results (backward writes every gradient whole)"),
         Node(GraphId.INPUT, "read_input", ((R.I_A_LABEL, R.I_B_DATA),),
              note="I_A or I_B, filled by the feeder while the other buffer's step runs"),
+    ]
+    if bn_stats:
+        t.append(Node(GraphId.FORWARD, RangeOp.RANGE_D2D_COPY.value,
+                      ((R.T_TEMP_FP32, R.T_TEMP_FP32), (R.B_PREV_MEAN, R.B_PREV_VAR)),
+                      args=(("dst", "temp.bn_stats"),),
+                      note="BN running statistics kept in temp.bn_stats, for a skipped step"))
+    t += [
         Node(GraphId.FORWARD, "forward_loss", ((R.F_FEATURE_FP16 if amp else R.F_FEATURE_FP32,) * 2,),
              note="model forward, logits, loss, d loss/d logits into F_GRAD_SLOT"),
         Node(GraphId.BACKWARD, "backward", (series_span("G16", MATRIX_KINDS) if amp else g_mat,),
@@ -148,9 +161,25 @@ def build_program(compiled) -> StepProgram:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_GRAD_SCALING.value,
                       ((R.G_BN_BIAS, R.G_FC_BIAS),), args=(("scale", "inv_loss_scale"),),
                       note="unscale the fp32 BN / bias gradients"))
-    t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_CHECK_NAN.value, ((R.G_BN_BIAS, R.R_RESULT),),
+    # a step whose forward made the BN statistics non-finite (huge activations: their variance
+    # overflows while the normalised output, loss and gradients stay finite) is skipped too.
+    # With several processes each rank's statistics are its own (only the gradients are
+    # reduced), so each rank's flag could differ: there, the gradients and losses alone decide
+    check_b = bn_stats and pc.world_size == 1
+    t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_CHECK_NAN.value,
+                  ((R.G_BN_BIAS, R.R_RESULT),) + (((R.B_PREV_MEAN, R.B_PREV_VAR),) if check_b else ()),
                   args=(("flag", "found_inf"), ("fp16", "1" if fp16 else "")),
                   note="a non-finite step is skipped: weights and state untouched"))
+    if not fp16:  # (fp16 overflow is the loss-scale search, not counted against the limit)
+        t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_NONFINITE_LIMIT.value, (),
+                      args=(("flag", "found_inf"), ("count", "nonfinite"), ("state", "temp.nonfinite_limit")),
+                      note="once trainer.max_nonfinite is reached, every later step is skipped too "
+                           "(the host stops at its next check)"))
+    if bn_stats:
+        t.append(Node(GraphId.CHECK_NAN, RangeOp.RANGE_RESTORE_IF_SKIPPED.value,
+                      ((R.B_PREV_MEAN, R.B_PREV_VAR), (R.T_TEMP_FP32, R.T_TEMP_FP32)),
+                      args=(("src", "temp.bn_stats"), ("gate", "found_inf")),
+                      note="a skipped step's forward moved the BN statistics: put back"))
     bias_op, weight_op = UPDATE_OPS[opt]
     if opt == "adamw" and not pc.optimizer.wd_exclude_bn_bias:
         bias_op = RangeOp.RANGE_UPDATE_WEIGHT_ADAMW  # decoupled decay on biases too
@@ -177,10 +206,10 @@ def build_program(compiled) -> StepProgram:
     if pc.ema:
         t.append(Node(GraphId.EMA, RangeOp.RANGE_EMA_PARAM_UPDATE.value,
                       (series_span("E", PARAM_KINDS), series_span("W", PARAM_KINDS)),
-                      args=(("decay", "ema_decay"),)))
+                      args=(("decay", "ema_decay"),) + gate, note="not on a skipped step"))
         t.append(Node(GraphId.EMA, RangeOp.RANGE_EMA_PARAM_UPDATE.value,
                       ((R.B_NEXT_MEAN, R.B_NEXT_VAR), (R.B_PREV_MEAN, R.B_PREV_VAR)),
-                      args=(("decay", "ema_decay"),), note="BN statistics"))
+                      args=(("decay", "ema_decay"),) + gate, note="BN statistics, not on a skipped step"))
     t.append(Node(GraphId.METRICS, RangeOp.RANGE_ACCUM_METRICS.value,
                   ((R.R_RESULT_ACCUMULATED, R.R_RESULT_ACCUMULATED), (R.R_RESULT, R.R_RESULT)),
                   args=(("into", "train"),)))

@@ -215,6 +215,28 @@ def inductor_options(opts: Any) -> tuple:
     return tuple(out)
 
 
+def _refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
+    """Keys added with ``+`` (Hydra adds them past the schema's struct check) that no option
+    of ``schema_cls`` declares. A field of a dataclass type is a section, checked key by key;
+    any other field (a free-form map typed ``Any`` such as ``runtime.inductor_options``, a
+    list) takes what it is given."""
+    from omegaconf import DictConfig
+    names = {f.name: f for f in fields(schema_cls)}
+    for key in node:
+        f = names.get(key)
+        if f is None and not (key == "hydra" and not prefix):
+            section = f"{prefix.rstrip('.')}'s" if prefix else "top-level"
+            raise ConfigError(f"{prefix}{key}: not an option (+ adds only keys the schema declares; "
+                              f"{section} options: {', '.join(names)})")
+        if f is None:
+            continue
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                _refuse_added_keys(child, type(sub), f"{prefix}{key}.")
+
+
 def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     """Build a PlanConfig from a composed config (DictConfig or the schema dataclass).
 
@@ -224,6 +246,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
 
     from tr_hydra.data.sizes import dataset_sizes
     if isinstance(cfg, DictConfig):
+        _refuse_added_keys(cfg, schema.Config)
         cfg = OmegaConf.to_object(cfg)
     model = _freeze(ModelSpec, cfg.model)
     opt = _freeze(OptimizerSpec, cfg.optimizer)

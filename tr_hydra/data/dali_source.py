@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.data.decoder_noise import DecoderNoiseFilter
 from tr_hydra.data.index import SplitIndex, check_labels, epoch_order, load_arrays, scan_imagefolder
 from tr_hydra.errors import ConfigError, TrHydraError
 
@@ -60,7 +61,7 @@ def native_stderr_kept_on_success():
                     sys.stderr.write(text.decode(errors="replace"))
 
 
-def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
+def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
     d = pc.data
     if d.name in ("imagefolder", "digits"):
         root = d.root
@@ -72,6 +73,11 @@ def load_index(pc: PlanConfig) -> dict[str, SplitIndex]:
         train, classes = scan_imagefolder(root, "train")
         val, _ = scan_imagefolder(root, "val", classes)
         index = {"train": train, "val": val}
+        n = pc.data.num_classes
+        if len(classes) < n:
+            log(f"data: {os.path.join(root, 'train')} has {len(classes)} class folders but data.num_classes={n}: "
+                f"{n - len(classes)} of the model's outputs never see a label (set data.num_classes="
+                f"{len(classes)} if that is not meant)")
     elif d.name == "arrays":
         if not d.path:
             raise ConfigError("data.path: required for data=arrays")
@@ -176,7 +182,8 @@ class DaliSource:
                  shard_id: int = 0, num_shards: int = 1, log=print):
         self.pc, self.device, self.log = pc, device, log
         self.shard_id, self.num_shards = shard_id, num_shards
-        self.index = load_index(pc)
+        self._filtering = False
+        self.index = load_index(pc, log)
         for split, want in (("train", pc.train_size), ("val", pc.val_size)):
             total = want * num_shards
             if len(self.index[split]) < total:
@@ -196,6 +203,15 @@ class DaliSource:
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
         self._after = None  # the copy out of the latest batch; DALI reuses its buffers after it
+        if self.index["train"].encoded:  # until close(): the decoders' own lines about damaged files dropped
+            DecoderNoiseFilter.acquire()
+            self._filtering = True
+
+    def close(self) -> None:
+        """The process's stderr as it was (see ``DecoderNoiseFilter``); the pipelines stay."""
+        if self._filtering:
+            self._filtering = False
+            DecoderNoiseFilter.release()
 
     # ------------------------------------------------------------------ pipelines
     def _pipeline(self, split: str, res: int, max_batch: int, epoch: int):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tr_hydra.data.sizes import IMAGE_SUFFIXES
+from tr_hydra.data.sizes import IMAGE_SUFFIXES, open_npz, read_array
 from tr_hydra.errors import ConfigError
 
 
@@ -65,18 +65,14 @@ def load_arrays(path: str | Path, num_classes: int) -> dict[str, SplitIndex]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data.path: {path} is not a file")
-    try:
-        z = np.load(p, allow_pickle=False)
-    except Exception as e:
-        raise ConfigError(f"data.path: {path} is not a readable .npz ({type(e).__name__})") from None
     out = {}
-    with z:
+    with open_npz(p) as z:
         for split in ("train", "val"):
             xk, yk = f"x_{split}", f"y_{split}"
             for k in (xk, yk):
                 if k not in z.files:
                     raise ConfigError(f"data.path: {path} has no array {k!r} (has {sorted(z.files)})")
-            x, y = z[xk], z[yk]
+            x, y = read_array(z, xk, path), read_array(z, yk, path)
             if x.dtype != np.uint8 or x.ndim != 4 or x.shape[3] != 3:
                 raise ConfigError(f"data.path: {xk} must be uint8 of shape (N, H, W, 3), "
                                   f"got {x.dtype} {tuple(x.shape)}")

@@ -17,6 +17,47 @@ def count_images(split_dir: Path) -> int:
     return n
 
 
+def open_npz(path):
+    """``np.load`` of a ``.npz`` archive (no pickles), or one ConfigError naming the file and
+    what is wrong with it: not a zip archive at all (a text file named .npz: numpy would
+    take it for a pickle), or a truncated or damaged one."""
+    import zipfile
+
+    import numpy as np
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ConfigError(f"data.path: cannot read {path}: {e.strerror}") from None
+    if head[:2] != b"PK":
+        raise ConfigError(f"data.path: {path} is not a .npz archive (no zip header: "
+                          f"write it with numpy.savez)")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        raise ConfigError(f"data.path: {path} is a truncated or damaged .npz archive ({_why(e)})") from None
+    if not hasattr(z, "files"):  # a plain .npy
+        raise ConfigError(f"data.path: {path} is a single array, not a .npz archive")
+    return z
+
+
+def read_array(z, key: str, path):
+    """Array ``key`` of an open .npz, or one ConfigError (a damaged member: bad CRC, cut short)."""
+    import zipfile
+    try:
+        return z[key]
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        raise ConfigError(f"data.path: array {key!r} of {path} cannot be read: the archive is "
+                          f"truncated or damaged ({_why(e)})") from None
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    if "pickled" in text:
+        text = "it holds pickled objects, not plain arrays"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def dataset_sizes(data, train_override: int | None, val_override: int | None) -> tuple[int, int]:
     train, val = train_override or data.train_size, val_override or data.val_size
     if train is None or val is None:
@@ -26,15 +67,14 @@ def dataset_sizes(data, train_override: int | None, val_override: int | None) ->
             train = train or count_images(Path(data.root) / "train")
             val = val or count_images(Path(data.root) / "val")
         elif data.name == "arrays":
-            import numpy as np
             if not data.path or not Path(data.path).is_file():
                 raise ConfigError(f"data.path: {data.path!r} is not a file")
-            with np.load(data.path, mmap_mode="r") as z:
+            with open_npz(data.path) as z:
                 for key in ("x_train", "y_train", "x_val", "y_val"):
-                    if key not in z:
+                    if key not in z.files:
                         raise ConfigError(f"data.path: {data.path} has no array {key!r}")
-                train = train or int(z["y_train"].shape[0])
-                val = val or int(z["y_val"].shape[0])
+                train = train or int(read_array(z, "y_train", data.path).shape[0])
+                val = val or int(read_array(z, "y_val", data.path).shape[0])
         else:
             raise ConfigError(f"data.train_size/data.val_size: required for data={data.name}")
     if train < 1 or val < 1:

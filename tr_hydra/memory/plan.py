@@ -481,6 +481,12 @@ def alloc_baseline_dtensors(plan: MemoryPlan, variants: dict[str, tuple[int, int
     plan.alloc_temp("label_dist", logits, DType.FP32)       # soft-max / smoothed-label temporary
     if amp:  # the 16-bit gradients' sum of squares, taken by the non-finite check: (running, last)
         plan.alloc_temp("grad16_sumsq", {v: (1, 1, 1, 2) for v in variants}, DType.FP32)
+    # B_PREV_MEAN..B_PREV_VAR (slots whole) before the forward moves them, put back on a skipped
+    # step; trainer.max_nonfinite on the device: (limit, reached, steps skipped since, spare)
+    bn = sum(t.slot_bytes for r in (R.B_PREV_MEAN, R.B_PREV_VAR) for t in plan.tensors_in(r)) // 4
+    if bn:
+        plan.alloc_temp("bn_stats", {v: (1, 1, 1, bn) for v in variants}, DType.FP32)
+    plan.alloc_temp("nonfinite_limit", {v: (1, 1, 1, 4) for v in variants}, DType.FP32)
     plan.alloc_predicted_label(labels)
     for name in FP32_SCALARS:
         plan.alloc_scalar(name, DType.FP32)

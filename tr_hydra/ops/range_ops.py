@@ -43,9 +43,34 @@ def accum_metrics(acc: torch.Tensor, result: torch.Tensor) -> None:
     acc.add_(result)
 
 
-def ema_update(ema: torch.Tensor, live: torch.Tensor, decay: torch.Tensor) -> None:
-    """ema = decay * ema + (1 - decay) * live."""
-    ema.lerp_(live, 1.0 - decay)
+def restore_if(dst: torch.Tensor, saved: torch.Tensor, flag: torch.Tensor) -> None:
+    """dst = saved where ``flag`` (a [1] scalar) is set, else left: one pass over the span, no
+    host sync (a skipped step's in-place changes undone). Give integer views for bit-exact
+    copies whatever the values (NaN payloads, -0.0)."""
+    torch.where(flag > 0, saved, dst, out=dst)
+
+
+def nonfinite_limit(flag: torch.Tensor, count: torch.Tensor, state: torch.Tensor) -> None:
+    """``trainer.max_nonfinite`` on the device, after the step's non-finite check. ``state`` =
+    (limit, reached, steps since, spare): once a non-finite step brings ``count`` to the
+    limit, every later step is skipped as well (``flag`` set) and counted in ``steps since``,
+    not in ``count``, so the host, which reads them only at its next check, stops with the
+    weights of the step the limit was reached at and knows which step that was."""
+    limit, reached, since = state[0:1], state[1:2], state[2:3]
+    count.addcmul_(flag, reached, value=-1.0)  # a step after the limit: not one of the counted ones
+    torch.maximum(flag, reached, out=flag)
+    since.add_(reached)
+    torch.maximum(reached, (count >= limit).to(flag.dtype) * flag, out=reached)  # (flag: 0 or 1)
+
+
+def ema_update(ema: torch.Tensor, live: torch.Tensor, decay: torch.Tensor,
+               gate: torch.Tensor | None = None) -> None:
+    """ema = decay * ema + (1 - decay) * live; not on a step whose ``gate`` is set (a skipped
+    step: the weight of ``live`` is then 0, and ``ema`` keeps its values)."""
+    weight = 1.0 - decay
+    if gate is not None:
+        weight = weight * (1.0 - gate)
+    ema.lerp_(live, weight)
 
 
 def ema_decay_at(decay: torch.Tensor, step: torch.Tensor, warmup: bool) -> torch.Tensor:

@@ -167,7 +167,8 @@ def _cast_kernel(dst_ptr, src_ptr, scale_ptr, n, HAS_SCALE: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _ema_kernel(e_ptr, w_ptr, decay_ptr, step_ptr, n, WARMUP: tl.constexpr, BLOCK: tl.constexpr):
+def _ema_kernel(e_ptr, w_ptr, decay_ptr, step_ptr, gate_ptr, n, WARMUP: tl.constexpr, HAS_GATE: tl.constexpr,
+                BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -178,6 +179,8 @@ def _ema_kernel(e_ptr, w_ptr, decay_ptr, step_ptr, n, WARMUP: tl.constexpr, BLOC
     e = tl.load(e_ptr + offs, mask=mask, other=0.0)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     wt = 1.0 - d
+    if HAS_GATE:  # a skipped step: the live values' weight 0, as in the reference
+        wt = wt * (1.0 - tl.load(gate_ptr))
     # torch.lerp's two-sided form, so the result rounds exactly like the reference
     out = tl.where(wt < 0.5, e + wt * (w - e), w - (w - e) * (1.0 - wt))
     tl.store(e_ptr + offs, out, mask=mask)
@@ -317,9 +320,30 @@ def fused_cast(dst, src, scale=None) -> None:
                                    HAS_SCALE=scale is not None, **_cfg("cast"))
 
 
-def fused_ema(ema, live, decay, step, warmup: bool) -> None:
+def fused_ema(ema, live, decay, step, warmup: bool, gate=None) -> None:
+    """Drop-in for ``range_ops.ema_update`` (with ``ema_decay_at``), in one pass."""
     n = ema.numel()
-    _ema_kernel[_grid(n, "ema")](ema, live, decay, step, n, WARMUP=warmup, **_cfg("ema"))
+    _ema_kernel[_grid(n, "ema")](ema, live, decay, step, gate if gate is not None else decay, n, WARMUP=warmup,
+                                 HAS_GATE=gate is not None, **_cfg("ema"))
+
+
+@triton.jit
+def _nonfinite_limit_kernel(flag_ptr, count_ptr, state_ptr):
+    flag = tl.load(flag_ptr)
+    count = tl.load(count_ptr)
+    limit = tl.load(state_ptr)
+    reached = tl.load(state_ptr + 1)
+    count = count - flag * reached
+    flag = tl.maximum(flag, reached)
+    tl.store(state_ptr + 2, tl.load(state_ptr + 2) + reached)
+    tl.store(state_ptr + 1, tl.maximum(reached, tl.where(count >= limit, 1.0, 0.0) * flag))
+    tl.store(count_ptr, count)
+    tl.store(flag_ptr, flag)
+
+
+def nonfinite_limit(flag, count, state) -> None:
+    """Drop-in for ``range_ops.nonfinite_limit``: one program instead of seven small kernels."""
+    _nonfinite_limit_kernel[(1,)](flag, count, state)
 
 
 def supports(op: str) -> bool:

@@ -221,6 +221,20 @@ class StepExecutor:
         with torch.no_grad():
             for k, v in values.items():
                 self.s[k].fill_(v)
+        self.set_nonfinite_limit(self.pc.trainer.max_nonfinite)
+
+    def set_nonfinite_limit(self, limit: int) -> None:
+        """``trainer.max_nonfinite`` (at least 1) on the device; not reached yet. Its state is a
+        temporary, not in checkpoints: a resumed run starts with it unreached."""
+        with torch.no_grad():
+            state = self.arena.view(self.plan["temp.nonfinite_limit"]).view(-1)
+            state.copy_(torch.tensor([float(max(int(limit), 1)), 0.0, 0.0, 0.0], device=self.device))
+
+    def nonfinite_limit_state(self) -> tuple[bool, int]:
+        """(whether ``trainer.max_nonfinite`` was reached on the device, the steps run since:
+        skipped too), one host read."""
+        _, reached, since, _ = self.arena.view(self.plan["temp.nonfinite_limit"]).view(-1).tolist()
+        return reached > 0, int(since)
 
     def set_lr(self, lr: float) -> None:
         self.s["lr"].fill_(lr)  # between steps; the captured graphs read the scalar

@@ -96,10 +96,25 @@ def bind(ex, n: Node) -> Callable:
     if op == "RANGE_EMA_PARAM_UPDATE":
         dst, src = _span(ex, n.spans[0]), _span(ex, n.spans[1])
         decay, step, warm = ex.s["ema_decay"], ex.s["step"], ex.pc.ema_warmup
+        gate = ex.s[n.arg("gate")] if n.arg("gate") else None
         if ex.fused is not None:
             fused = ex.fused
-            return lambda ctx: fused.fused_ema(dst, src, decay, step, warm)
-        return lambda ctx: ops.ema_update(dst, src, ops.ema_decay_at(decay, step, warm))
+            return lambda ctx: fused.fused_ema(dst, src, decay, step, warm, gate)
+        return lambda ctx: ops.ema_update(dst, src, ops.ema_decay_at(decay, step, warm), gate)
+    if op == "RANGE_D2D_COPY":  # into a plan temporary (``dst``) or a span
+        src = _span(ex, n.spans[1], torch.int32)
+        dst = _temp(ex, n.arg("dst"), src.numel()) if n.arg("dst") else _span(ex, n.spans[0], torch.int32)
+        return lambda ctx: ops.d2d_copy(dst, src)
+    if op == "RANGE_RESTORE_IF_SKIPPED":  # integer views: the bytes put back exactly
+        dst = _span(ex, n.spans[0], torch.int32)
+        src = _temp(ex, n.arg("src"), dst.numel()) if n.arg("src") else _span(ex, n.spans[1], torch.int32)
+        flag = ex.s[n.arg("gate")]
+        return lambda ctx: ops.restore_if(dst, src, flag)
+    if op == "RANGE_NONFINITE_LIMIT":
+        flag, count = ex.s[n.arg("flag")], ex.s[n.arg("count")]
+        state = ex.arena.view(ex.plan[n.arg("state")]).view(-1)
+        limit = ex.fused.nonfinite_limit if ex.fused is not None else ops.nonfinite_limit
+        return lambda ctx: limit(flag, count, state)
     if op == "RANGE_ACCUM_METRICS":
         into = n.arg("into")
         res = ex.result
@@ -115,11 +130,25 @@ def bind(ex, n: Node) -> Callable:
     raise NotImplementedError(f"no executor for node {op}")
 
 
+def _temp(ex, name: str, numel: int) -> torch.Tensor:
+    """The first ``numel`` 4-byte words of a plan temporary (``temp.*``), as int32."""
+    t = ex.plan[name]
+    view = ex.arena.view(t).view(-1).view(torch.int32)
+    if view.numel() < numel:
+        raise RuntimeError(f"{name} holds {view.numel()} words, the span {numel}")
+    return view[:numel]
+
+
 def _check(ex, n: Node):
     """One sum per region of the span (every gradient region, and the step's loss in
-    R_RESULT): the step's flag, and which regions were non-finite at the first bad step."""
+    R_RESULT), and a check of each region of the further spans (the BN statistics the
+    forward has just updated): the step's flag, and which regions were non-finite at the
+    first bad step."""
     start, end = n.spans[0]
     regions = [Region(i) for i in range(start, end + 1) if ex.plan.region_size[Region(i)]]
+    # further spans (the BN statistics): checked element by element in the reference too (a
+    # sum of large finite running variances could overflow)
+    exact = [Region(i) for a, b in n.spans[1:] for i in range(a, b + 1) if ex.plan.region_size[Region(i)]]
     if ex.fused is not None:
         # gradients the update reads in 16 bits are checked there, not in their unwritten
         # fp32 twins
@@ -128,6 +157,7 @@ def _check(ex, n: Node):
             regions = [r for r in regions if int(r) not in skip]
             regions += [Region(i) for i in range(int(span16[0]), int(span16[1]) + 1)
                         if ex.plan.region_size[Region(i)]]
+    regions += exact
     views = [ex.arena.span(r, r) for r in regions]
     ex.check_regions = regions
     flag, skipped, nonfinite = ex.s["found_inf"], ex.s["skipped"], ex.s["nonfinite"]
@@ -155,8 +185,11 @@ def _check(ex, n: Node):
             sq = (both[0:1], both[1:2], shared[0])
             ex.grad16_sumsq = both[1:2]
         return lambda ctx: fused.nonfinite_check(spans, flags, mask, flag, count, first_step, step, sq=sq)
+    whole = {id(v) for r, v in zip(regions, views) if r in exact}
+
     def check(ctx):
-        bad = ~torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in views]))
+        bad = ~torch.isfinite(torch.stack([v.abs().amax() if id(v) in whole else v.sum(dtype=torch.float32)
+                                           for v in views]))
         flag.copy_(bad.any().float().view(1))
         # fp16 overflow is the loss-scale search at work; anything else is a fault
         count.add_(flag)

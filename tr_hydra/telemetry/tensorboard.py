@@ -3,7 +3,10 @@
 picture of the arena, and the config as hparams."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -114,19 +117,66 @@ def flat_config(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard's event writer writes on a thread of its own; a write that fails there (a
+    read-only or full disk) would print that thread's traceback. The writer keeps the error
+    and raises it in the training thread at its next write, flush or close, where
+    ``Telemetry`` turns it into one line: the thread's own report is left out."""
+    prev = threading.excepthook
+    if getattr(prev, "_tr_hydra_tensorboard", False):
+        return
+
+    def hook(args):
+        t = args.thread
+        if (isinstance(args.exc_value, OSError) and type(t).__name__ == "_AsyncWriterThread"
+                and type(t).__module__.startswith("tensorboard.")):
+            return
+        prev(args)
+    hook._tr_hydra_tensorboard = True
+    threading.excepthook = hook
+
+
 class Telemetry:
-    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True, grads_16bit=(), grad16_sumsq=None):
+    """TensorBoard scalars, text and images of one run (rank 0). A file it cannot write (a
+    read-only ``tb/``, a full disk) turns TensorBoard off for the rest of the run with one
+    line in the log; training goes on (the run's own files, checkpoints and metrics.json,
+    stop the run with one line if they cannot be written)."""
+
+    def __init__(self, run_dir: Path, compiled, arena, enabled: bool = True, grads_16bit=(), grad16_sumsq=None,
+                 log=print):
         self.enabled = enabled
         self.norms = SpanNorms(arena, grads_16bit, grad16_sumsq)
         self.plan = compiled.plan
+        self.log = log
+        self.dir = Path(run_dir) / "tb"
         self.writer = None
         if enabled:
+            _quiet_writer_threads()
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            with self._guard():
+                self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """A failed write: one line, TensorBoard off (its writer's thread has stopped)."""
+        try:
+            yield
+        except OSError as e:
+            where = os.fsdecode(e.filename) if e.filename else str(self.dir)
+            self.log(f"tensorboard: cannot write {where}: {e.strerror or type(e).__name__}; "
+                     f"TensorBoard is off for the rest of this run")
+            w, self.writer = self.writer, None
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    w.close()
 
     def start(self, step: int = 0) -> None:
         if not self.writer:
             return
+        with self._guard():
+            self._start(step)
+
+    def _start(self, step: int) -> None:
         w, plan = self.writer, self.plan
         for r in ALL_REGIONS:
             if plan.region_size[r]:
@@ -143,29 +193,34 @@ class Telemetry:
               data_wait_ms: float, loss_scale: float | None, skipped: float) -> None:
         if not self.writer:
             return
-        w = self.writer
-        for k in ("loss", "top1", "top5"):
-            w.add_scalar(f"train/{k}", m[k], step)
-        w.add_scalar("lr", lr, step)
-        w.add_scalar("img_per_sec", img_per_sec, step)
-        w.add_scalar("step_time_ms", step_time_ms, step)
-        w.add_scalar("data_wait_ms", data_wait_ms, step)
-        w.add_scalar("skipped_steps", skipped, step)
-        if loss_scale is not None:
-            w.add_scalar("loss_scale", loss_scale, step)
-        for name, val in self.norms.read().items():
-            w.add_scalar(f"norms/{name}", val, step)
+        with self._guard():
+            w = self.writer
+            for k in ("loss", "top1", "top5"):
+                w.add_scalar(f"train/{k}", m[k], step)
+            w.add_scalar("lr", lr, step)
+            w.add_scalar("img_per_sec", img_per_sec, step)
+            w.add_scalar("step_time_ms", step_time_ms, step)
+            w.add_scalar("data_wait_ms", data_wait_ms, step)
+            w.add_scalar("skipped_steps", skipped, step)
+            if loss_scale is not None:
+                w.add_scalar("loss_scale", loss_scale, step)
+            for name, val in self.norms.read().items():
+                w.add_scalar(f"norms/{name}", val, step)
 
     def val(self, step: int, name: str, m: dict) -> None:
         if self.writer:
-            for k in ("loss", "top1", "top5"):
-                self.writer.add_scalar(f"{name}/{k}", m[k], step)
+            with self._guard():
+                for k in ("loss", "top1", "top5"):
+                    self.writer.add_scalar(f"{name}/{k}", m[k], step)
 
     def close(self, config: dict | None = None, final: dict | None = None) -> None:
+        """Flush and close (once; later calls do nothing)."""
         if not self.writer:
             return
-        if config is not None and final:
-            clean = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-            self.writer.add_hparams(flat_config(config), clean, run_name=".")
-        self.writer.flush()
-        self.writer.close()
+        with self._guard():
+            if config is not None and final:
+                clean = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+                self.writer.add_hparams(flat_config(config), clean, run_name=".")
+            self.writer.flush()
+            self.writer.close()
+        self.writer = None

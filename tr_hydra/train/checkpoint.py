@@ -3,7 +3,9 @@
 File layout: 8-byte magic, 32-byte SHA-256 of the payload, payload (``torch.save`` of plain
 tensors, numbers and strings). A truncated or altered file fails the checksum before anything is
 deserialised, and loading uses ``weights_only=True``: no code runs. Files are written to a
-temporary name, fsynced and renamed, so a crash leaves the previous checkpoint intact.
+temporary name, fsynced and renamed, so a crash leaves the previous checkpoint intact; a write
+that fails (read-only file system, full disk) removes its temporary file and raises a
+``DiskError`` naming the file and the cause.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tr_hydra.errors import TrHydraError
+from tr_hydra.errors import TrHydraError, disk_error
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.regions import ALL_REGIONS, Region
 
@@ -24,8 +26,9 @@ MAGIC = b"TRHCKPT1"
 NAME = re.compile(r"^ckpt_e(\d{4})_s(\d{8})\.pt$")
 
 # Regions that carry state from step to step; I, F, T, G and per-step results are rebuilt by
-# every step, so they are not saved.
-TRANSIENT_SERIES = ("I", "F", "T", "G", "G16")
+# every step, so they are not saved. N (LARS) holds the step's norms and trust ratios: the
+# update writes them before it reads them, every step.
+TRANSIENT_SERIES = ("I", "F", "T", "G", "G16", "N")
 TRANSIENT_REGIONS = {Region.R_RESULT, Region.R_PREDICTED_LABEL}
 
 
@@ -62,7 +65,7 @@ def save(path: Path, arena: ArenaKeeper, *, position: Position, fingerprint: str
     if torch.cuda.is_available():
         payload["rng"]["cuda"] = torch.cuda.get_rng_state_all()
     data = _saved(payload)
-    return _write_atomic(Path(path), MAGIC, hashlib.sha256(data).digest(), data)
+    return write_atomic(Path(path), MAGIC, hashlib.sha256(data).digest(), data, what="checkpoint")
 
 
 def _saved(obj) -> bytes:
@@ -71,16 +74,25 @@ def _saved(obj) -> bytes:
     return buf.getvalue()
 
 
-def _write_atomic(path: Path, *parts: bytes) -> Path:
+def write_atomic(path: Path, *parts: bytes, what: str = "checkpoint") -> Path:
     """``parts`` written to a temporary name, fsynced and renamed over ``path``: a reader, or
-    a crash, sees the old file or the new one, never half of one."""
+    a crash, sees the old file or the new one, never half of one. A write that fails removes
+    the temporary file and raises ``DiskError("<what>: cannot write <path>: <cause>")``."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only directory: the open failed, so there is no temporary file
+        raise disk_error(what, path, e) from None
     try:  # make the rename itself durable
         fd = os.open(path.parent, os.O_RDONLY)
         os.fsync(fd)
@@ -90,9 +102,9 @@ def _write_atomic(path: Path, *parts: bytes) -> Path:
     return path
 
 
-def atomic_save(obj, path: Path) -> Path:
+def atomic_save(obj, path: Path, what: str = "weights") -> Path:
     """``torch.save(obj)`` into ``path``, whole or not at all (``model_final.pt``)."""
-    return _write_atomic(Path(path), _saved(obj))
+    return write_atomic(Path(path), _saved(obj), what=what)
 
 
 def load(path: str | Path) -> dict:
@@ -145,16 +157,31 @@ def checkpoints_in(run_dir: Path) -> list[Path]:
 
 
 def newest_valid(run_dir: Path, log=print) -> Path | None:
-    """The newest checkpoint that passes its checksum; broken ones are skipped with a note."""
-    for p in checkpoints_in(run_dir):
+    """The newest checkpoint that passes its checksum; broken ones are skipped with a note.
+    None when the run dir has none; when it has some but every one is broken, a
+    ``CheckpointError`` (they are kept: starting afresh would overwrite them)."""
+    found = checkpoints_in(run_dir)
+    first = None
+    for p in found:
         try:
             load(p)
             return p
         except CheckpointError as e:
+            first = first or str(e).removeprefix("resume: ")
             log(f"{e}; trying an older one")
+    if found:
+        n = len(found)
+        raise CheckpointError(
+            f"resume=auto: {'the' if n == 1 else f'all {n}'} checkpoint{'s' if n > 1 else ''} in "
+            f"{Path(run_dir) / 'checkpoints'} {'is' if n == 1 else 'are'} corrupt ({first}); "
+            f"{'it is' if n == 1 else 'they are'} kept: move {'it' if n == 1 else 'them'} away, "
+            f"or start afresh here with resume=none (which replaces {'it' if n == 1 else 'them'})")
     return None
 
 
 def prune(run_dir: Path, keep: int) -> None:
     for p in checkpoints_in(run_dir)[max(keep, 1):]:
-        p.unlink(missing_ok=True)
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as e:
+            raise disk_error("checkpoint", p, e, "remove") from None

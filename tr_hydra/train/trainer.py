@@ -3,7 +3,6 @@ validation, metrics and checkpoints."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import torch
 
 from tr_hydra import startup
 from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.errors import DiskError, disk_error
 from tr_hydra.memory.regions import Region
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 from tr_hydra.train import checkpoint as ck
@@ -27,6 +27,18 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     return x
+
+
+def _mkdir(d: Path, what: str) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(what, d, e, "create") from None
+
+
+def _no_resume(value) -> bool:
+    """``resume`` unset: null, or the words none/null/false given on the command line."""
+    return not value or str(value).strip().lower() in ("none", "null", "false")
 
 
 class _Stop(Exception):
@@ -56,6 +68,8 @@ class Trainer:
 
     def __init__(self, pc: PlanConfig, run_dir: str | Path = ".", log=print, telemetry: bool = True):
         self.pc, self.run_dir = pc, Path(run_dir)
+        # before the data source, which may take the process's stderr through a filter
+        self._tty = sys.stderr.isatty()
         self.rt, self._launcher = startup.build(pc, log)
         self.is_main, self.log = self.rt.is_main, self.rt.log
         self.telemetry = telemetry and self.is_main
@@ -127,12 +141,20 @@ class Trainer:
         """(epoch, step, history) to start from; restores the arena when resuming."""
         from tr_hydra.runtime.distributed import broadcast
         pc, rt = self.pc, self.rt
-        if not pc.resume:
+        if _no_resume(pc.resume):
             return 0, 0, []
         if pc.resume == "auto":
-            # rank 0 picks the checkpoint; every rank loads that same file
-            found = ck.newest_valid(self.run_dir, log=self.log) if self.is_main else None
-            path = broadcast(rt.dist, str(found) if found else None)
+            # rank 0 picks the checkpoint; every rank loads that same file (or stops with it,
+            # when every checkpoint there is corrupt)
+            found, why = None, None
+            if self.is_main:
+                try:
+                    found = ck.newest_valid(self.run_dir, log=self.log)
+                except ck.CheckpointError as e:
+                    why = str(e)
+            path, why = broadcast(rt.dist, (str(found) if found else None, why))
+            if why is not None:
+                raise ck.CheckpointError(why)
             if path is None:
                 self.log(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
                 return 0, 0, []
@@ -153,22 +175,26 @@ class Trainer:
         return epoch, step, list(state.get("history", []))
 
     def save_checkpoint(self, epoch: int, step: int, history: list) -> Path | None:
-        from tr_hydra.runtime.distributed import all_gather, barrier
+        from tr_hydra.runtime.distributed import all_gather, broadcast
         rt = self.rt
         rt.ex.sync_bn_stats()  # every rank: the collective needs them all
         # every rank's input state (where its train stream stands, its augmentation generators)
         data = all_gather(rt.dist, self._input_state())
         d = self.run_dir / "checkpoints"
-        if not self.is_main:
-            barrier(rt.dist)
-            return None
-        d.mkdir(parents=True, exist_ok=True)
-        path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", rt.arena,
-                       position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
-                       config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
-                       history=_jsonable(history), extra={"data": data} if any(data) else None)
-        ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
-        barrier(rt.dist)
+        path, why = None, None
+        if self.is_main:
+            try:
+                _mkdir(d, "checkpoint")
+                path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", rt.arena,
+                               position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
+                               config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
+                               history=_jsonable(history), extra={"data": data} if any(data) else None)
+                ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
+            except DiskError as e:
+                why = str(e)
+        why = broadcast(rt.dist, why)  # (every rank waits here for rank 0's write)
+        if why is not None:
+            raise DiskError(why)
         return path
 
     def _input_state(self):
@@ -186,12 +212,10 @@ class Trainer:
     def write_metrics(self, history: list, summary: dict | None = None) -> None:
         if not self.is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / "metrics.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"history": _jsonable(history), "summary": _jsonable(summary or {}),
-                                   "describe": self.pc.describe()}, indent=1))
-        os.replace(tmp, path)
+        _mkdir(self.run_dir, "metrics")
+        text = json.dumps({"history": _jsonable(history), "summary": _jsonable(summary or {}),
+                           "describe": self.pc.describe()}, indent=1)
+        ck.write_atomic(self.run_dir / "metrics.json", text.encode(), what="metrics")
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         return self.rt.arena.state_dict_from_arena(self.rt.model, int(self.rt.ex.scalar("step_count")))
@@ -204,10 +228,10 @@ class Trainer:
         if self.pc.world_size > 1:
             self.log(f"weights identical on all {self.pc.world_size} ranks")
         rt.ex.sync_bn_stats()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "model_final.pt"
         if self.is_main:
-            ck.atomic_save(self.final_state_dict(), path)
+            _mkdir(self.run_dir, "weights")
+            ck.atomic_save(self.final_state_dict(), path, what="weights")
         return path
 
     # ------------------------------------------------------------------ the loop
@@ -227,16 +251,25 @@ class Trainer:
         return waits
 
     def fit(self) -> TrainResult:
-        from tr_hydra.runtime.guards import PreemptionGuard
         from tr_hydra.telemetry.tensorboard import Telemetry
         rt = self.rt
         res = TrainResult(arena_bytes=rt.compiled.plan.total_bytes)
         start_epoch, step, history = self._resume_point()
+        start_step = step
         self.get_ready()  # after the restore: warm-up snapshots and restores the resumed state
         res.capture_seconds = self.startup.capture_seconds
         res.start_wait_seconds = self._start_together()
         tel = Telemetry(self.run_dir, rt.compiled, rt.arena, enabled=self.telemetry,
-                        grads_16bit=rt.ex.grads_read_16bit, grad16_sumsq=rt.ex.grad16_sumsq)
+                        grads_16bit=rt.ex.grads_read_16bit, grad16_sumsq=rt.ex.grad16_sumsq, log=self.log)
+        try:
+            return self._fit(res, start_epoch, step, start_step, history, tel)
+        finally:
+            tel.close()  # (a no-op once closed; an error's path closes it here)
+
+    def _fit(self, res: TrainResult, start_epoch: int, step: int, start_step: int, history: list,
+             tel) -> TrainResult:
+        from tr_hydra.runtime.guards import PreemptionGuard
+        rt = self.rt
         tel.start(step)
         t_run = time.perf_counter()
         rt.model.train()
@@ -246,12 +279,18 @@ class Trainer:
             except _Stop as stop:
                 step = stop.step
                 rt.sync()
-                path = self.save_checkpoint(stop.epoch, step, history)
-                self.write_metrics(history)
+                try:
+                    path = self.save_checkpoint(stop.epoch, step, history)
+                    self.write_metrics(history)
+                except DiskError as e:
+                    if stop.error is None:
+                        raise
+                    # the error that stopped the run comes first; the last checkpoint written stays
+                    raise type(stop.error)(f"{stop.error}; no checkpoint at the stop ({e})") from None
                 tel.close()
                 if stop.error is not None:
                     self.log(f"checkpoint before stopping: {path}")
-                    raise stop.error
+                    raise stop.error from None  # (not chained to the _Stop that carried it)
                 self.log(f"stopped by {guard.stop.signal_name} at step {step}; checkpoint {path}; "
                          f"continue with resume=auto (same run dir)")
                 res.epochs, res.steps, res.preempted = history, step, True
@@ -261,6 +300,15 @@ class Trainer:
         if rt.device.type == "cuda":
             res.peak_device_bytes = torch.cuda.max_memory_allocated(rt.device)
         res.final_path = str(self.save_final())
+        if step == start_step and step > 0:  # a resumed run that was already complete
+            summary = self._summary_kept(history, step)
+            res.img_per_sec = summary.get("img_per_sec", 0.0)
+            res.peak_device_bytes, res.summary = summary.get("peak_device_bytes", 0), summary
+            self.write_metrics(history, summary)
+            tel.close()
+            self.log(f"nothing to train: the run was complete at step {step}; its summary is kept "
+                     f"(best val top1 {summary['best_val_top1']:.2f}, {res.img_per_sec:,.1f} img/s)")
+            return res
         vals = [r["val"]["top1"] for r in history if "val" in r]
         summary = {"best_val_top1": max(vals) if vals else float("nan"),
                    "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
@@ -277,19 +325,66 @@ class Trainer:
                  f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB")
         return res
 
-    def _check_health(self) -> None:
-        """At each metrics read: stop on repeated non-finite steps or a collapsed fp16 scale."""
+    def _summary_kept(self, history: list, step: int) -> dict:
+        """The summary of a run resumed after its last step: the one metrics.json holds for
+        that step, or, without one, what the epochs' records say (their training time and
+        throughput; this process trained nothing)."""
+        try:
+            old = json.loads((self.run_dir / "metrics.json").read_text()).get("summary") or {}
+        except (OSError, ValueError):
+            old = {}
+        if old.get("steps") == step:
+            return old
+        vals = [r["val"]["top1"] for r in history if "val" in r]
+        n = sum(r["train"]["count"] for r in history)
+        secs = sum(r["train"]["count"] / r["img_per_sec"] for r in history if r.get("img_per_sec"))
+        return {"best_val_top1": max(vals) if vals else float("nan"),
+                "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
+                "img_per_sec": n / secs if secs else 0.0, "total_seconds": secs,
+                "arena_bytes": self.rt.compiled.plan.total_bytes, "peak_device_bytes": 0, "steps": step,
+                "from_history": True}
+
+    def _check_health(self, step: int) -> None:
+        """At each metrics read (``step``: the run's steps so far): stop on repeated non-finite
+        steps or a collapsed fp16 scale. The non-finite count is on the device, read here only;
+        the step that reaches ``trainer.max_nonfinite`` makes the device skip every step after
+        it as well, so the run stops with the weights it had then, and the message says which
+        step that was and how many were skipped after it."""
         from tr_hydra.runtime.guards import NonFiniteError
         pc, ex = self.pc, self.rt.ex
-        bad = ex.scalar("nonfinite")
-        if bad >= max(pc.trainer.max_nonfinite, 1):
-            raise NonFiniteError(f"training stopped: {int(bad)} steps with non-finite loss or gradients "
+        bad, limit = int(ex.scalar("nonfinite")), max(pc.trainer.max_nonfinite, 1)
+        reached, since = ex.nonfinite_limit_state() if not ex.fp16 else (False, 0)
+        if reached or bad >= limit:
+            steps = (f"{bad} step{'s' if bad != 1 else ''} with non-finite loss, gradients or "
+                     f"BatchNorm statistics")
+            if reached:
+                at = step - since
+                after = (f", and so {'were' if since != 1 else 'was'} the {since} "
+                         f"step{'s' if since != 1 else ''} after it, up to this check at step {step} "
+                         f"(trainer.log_every={pc.trainer.log_every})" if since else "")
+                raise NonFiniteError(
+                    f"training stopped: {steps} reached trainer.max_nonfinite={pc.trainer.max_nonfinite} "
+                    f"at step {at} ({ex.nonfinite_report()}); {'they were' if bad != 1 else 'it was'} "
+                    f"skipped{after}: {self._state_note()}")
+            raise NonFiniteError(f"training stopped at step {step}: {steps} so far in this run "
                                  f"(trainer.max_nonfinite={pc.trainer.max_nonfinite}), "
-                                 f"{ex.nonfinite_report()}; those steps were skipped, the weights are finite")
+                                 f"{ex.nonfinite_report()}; those steps were skipped: {self._state_note()}")
         if ex.fp16 and ex.scalar("loss_scale") < 2.0 ** -14:
             raise NonFiniteError(f"training stopped: the fp16 loss scale collapsed to "
                                  f"{ex.scalar('loss_scale'):.3g} after {int(ex.scalar('skipped'))} "
                                  f"skipped steps ({ex.nonfinite_report()}); try amp_dtype=bf16 or a lower lr")
+
+    def _state_note(self) -> str:
+        """What the arena holds at a stop on non-finite steps, read (once) rather than assumed."""
+        a = self.rt.arena
+        w_ok = bool(torch.isfinite(a.span(*_W_SPAN)).all())
+        b_ok = not a.plan.region_size[Region.B_PREV_MEAN] or bool(
+            torch.isfinite(a.span(Region.B_PREV_MEAN, Region.B_PREV_VAR)).all())
+        if w_ok and b_ok:
+            return "no skipped step changed the weights or the BatchNorm statistics, which are finite"
+        bad = " and ".join(n for n, ok in (("the weights", w_ok), ("the BatchNorm statistics", b_ok)) if not ok)
+        return (f"no skipped step changed the weights or the BatchNorm statistics, but {bad} "
+                f"hold non-finite values from steps taken before")
 
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
@@ -304,7 +399,7 @@ class Trainer:
             t0 = time.perf_counter()
             totals = {"loss": 0.0, "top1": 0.0, "top5": 0.0, "count": 0.0}
             bar = _progress(len(sched), f"epoch {epoch + 1}/{pc.trainer.epochs}",
-                            pc.trainer.progress and sys.stderr.isatty())
+                            pc.trainer.progress and self._tty)
             mark = {"t": t0, "k": -1, "wait": 0.0}
 
             def on_step(k, _n=len(sched), _step0=step, _epoch=epoch):
@@ -331,7 +426,7 @@ class Trainer:
                         bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:,.0f}")
                     mark.update(t=now, k=k, wait=rt.data_wait)
                     try:
-                        self._check_health()
+                        self._check_health(_step0 + k + 1)
                     except Exception as e:
                         raise _Stop(_step0 + k + 1, _epoch, error=e) from None
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
