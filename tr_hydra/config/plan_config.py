@@ -13,7 +13,7 @@ from typing import Any
 
 from tr_hydra.config import schema
 from tr_hydra.errors import ConfigError
-from tr_hydra.memory.plan import PlanConditions
+from tr_hydra.memory.conditions import PlanConditions
 
 
 def _plain(v: Any) -> Any:

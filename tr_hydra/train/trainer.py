@@ -13,11 +13,10 @@ import torch
 from tr_hydra import startup
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
-from tr_hydra.memory.regions import Region
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 from tr_hydra.train import checkpoint as ck
+from tr_hydra.train import health
 
-_W_SPAN = (Region.W_BN_BIAS, Region.W_DEEP_CONV)  # the master weights, compared across ranks
 
 
 def _jsonable(x):
@@ -223,7 +222,7 @@ class Trainer:
     def save_final(self) -> Path:
         from tr_hydra.runtime.distributed import weights_agree
         rt = self.rt
-        if not weights_agree(rt.dist, rt.arena.span(*_W_SPAN)):
+        if not weights_agree(rt.dist, rt.arena.span(*health.W_SPAN)):
             raise RuntimeError("data parallel: the ranks ended with different weights")
         if self.pc.world_size > 1:
             self.log(f"weights identical on all {self.pc.world_size} ranks")
@@ -344,48 +343,6 @@ class Trainer:
                 "arena_bytes": self.rt.compiled.plan.total_bytes, "peak_device_bytes": 0, "steps": step,
                 "from_history": True}
 
-    def _check_health(self, step: int) -> None:
-        """At each metrics read (``step``: the run's steps so far): stop on repeated non-finite
-        steps or a collapsed fp16 scale. The non-finite count is on the device, read here only;
-        the step that reaches ``trainer.max_nonfinite`` makes the device skip every step after
-        it as well, so the run stops with the weights it had then, and the message says which
-        step that was and how many were skipped after it."""
-        from tr_hydra.runtime.guards import NonFiniteError
-        pc, ex = self.pc, self.rt.ex
-        bad, limit = int(ex.scalar("nonfinite")), max(pc.trainer.max_nonfinite, 1)
-        reached, since = ex.nonfinite_limit_state() if not ex.fp16 else (False, 0)
-        if reached or bad >= limit:
-            steps = (f"{bad} step{'s' if bad != 1 else ''} with non-finite loss, gradients or "
-                     f"BatchNorm statistics")
-            if reached:
-                at = step - since
-                after = (f", and so {'were' if since != 1 else 'was'} the {since} "
-                         f"step{'s' if since != 1 else ''} after it, up to this check at step {step} "
-                         f"(trainer.log_every={pc.trainer.log_every})" if since else "")
-                raise NonFiniteError(
-                    f"training stopped: {steps} reached trainer.max_nonfinite={pc.trainer.max_nonfinite} "
-                    f"at step {at} ({ex.nonfinite_report()}); {'they were' if bad != 1 else 'it was'} "
-                    f"skipped{after}: {self._state_note()}")
-            raise NonFiniteError(f"training stopped at step {step}: {steps} so far in this run "
-                                 f"(trainer.max_nonfinite={pc.trainer.max_nonfinite}), "
-                                 f"{ex.nonfinite_report()}; those steps were skipped: {self._state_note()}")
-        if ex.fp16 and ex.scalar("loss_scale") < 2.0 ** -14:
-            raise NonFiniteError(f"training stopped: the fp16 loss scale collapsed to "
-                                 f"{ex.scalar('loss_scale'):.3g} after {int(ex.scalar('skipped'))} "
-                                 f"skipped steps ({ex.nonfinite_report()}); try amp_dtype=bf16 or a lower lr")
-
-    def _state_note(self) -> str:
-        """What the arena holds at a stop on non-finite steps, read (once) rather than assumed."""
-        a = self.rt.arena
-        w_ok = bool(torch.isfinite(a.span(*_W_SPAN)).all())
-        b_ok = not a.plan.region_size[Region.B_PREV_MEAN] or bool(
-            torch.isfinite(a.span(Region.B_PREV_MEAN, Region.B_PREV_VAR)).all())
-        if w_ok and b_ok:
-            return "no skipped step changed the weights or the BatchNorm statistics, which are finite"
-        bad = " and ".join(n for n, ok in (("the weights", w_ok), ("the BatchNorm statistics", b_ok)) if not ok)
-        return (f"no skipped step changed the weights or the BatchNorm statistics, but {bad} "
-                f"hold non-finite values from steps taken before")
-
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
         images, train_time = 0, 0.0
@@ -426,7 +383,7 @@ class Trainer:
                         bar.set_postfix(loss=f"{m['loss']:.4f}", img_s=f"{rate:,.0f}")
                     mark.update(t=now, k=k, wait=rt.data_wait)
                     try:
-                        self._check_health(_step0 + k + 1)
+                        health.check(pc, rt, _step0 + k + 1)
                     except Exception as e:
                         raise _Stop(_step0 + k + 1, _epoch, error=e) from None
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
