@@ -65,6 +65,24 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[index]
 
 
+def own_blas_workspaces() -> None:
+    """Let the capture that follows allocate its BLAS workspaces inside the graphs' pool.
+
+    cuBLAS and cuBLASLt keep a workspace per (handle, stream), allocated at the stream's first
+    matrix product: here in the warm-up, from the ordinary allocator, outside the pool. A graph
+    captured with it writes into those bytes at every replay, yet the graph does not own them:
+    whoever clears the workspaces (``torch.compile(mode="reduce-overhead")`` does at each warm-up
+    and recording of its CUDA graph trees) hands them back to the allocator, the next tensor
+    lands there, and the replays corrupt it (H200: an illegal address, or a segmentation fault
+    in the trees' next replay). Cleared here, the capture allocates the workspaces inside the
+    pool: bytes the graphs hold for as long as they live, whoever clears them later. The warm-up's
+    set goes back to the allocator's cache, so the peak does not move. The CUDA graph trees do
+    the same for theirs."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class CudaGraphs:
     def __init__(self, executor: StepExecutor):
         self.ex = executor
@@ -128,6 +146,7 @@ class CudaGraphs:
         # where the peak comes from: warm-up (eager side stream, autotuning) or the capture
         self.peak_after_warmup = torch.cuda.max_memory_allocated()
         t = time.perf_counter()
+        own_blas_workspaces()
         self._capture_each(train_variants, ex.train_step, self.train)
         model.eval()
         with ex.folded():
