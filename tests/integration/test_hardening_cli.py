@@ -69,14 +69,15 @@ def test_a_sweep_runs_every_job_and_rows_the_failed_ones(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "2 of 3 sweep jobs failed" in out.stderr, out.stderr[-2000:]
     table = (sweep / "summary.txt").read_text().splitlines()
-    assert len(table) == 4 and table[1:] == out.stdout.rstrip().splitlines()[-3:], (table, out.stdout)
-    stop, check, ok = table[1:]
+    assert len(table) == 5 and table[2:] == out.stdout.rstrip().splitlines()[-3:], (table, out.stdout)
+    assert table[0].startswith("fixed: recipe=cpu_smoke ") and table[1].split()[:2] == ["job", "optimizer.lr"]
+    stop, check, ok = table[2:]
     # the trainer's own words, ending with them (not with the step: ': 2')
     assert "failed: training stopped: " in stop and "non-finite" in stop and not re.search(r": \d+$", stop), stop
     assert stop.split("failed: ")[1] == (sweep / "0" / "failed.txt").read_text().strip()
     assert list((sweep / "0" / "checkpoints").glob("ckpt_*.pt"))  # the stop's checkpoint
     assert check.endswith("failed: optimizer.lr: must be > 0, got -1.0"), check
-    assert "failed" not in ok and re.search(r"\d+\.\d{4}\s+[\d,]+\.\d$", ok), ok
+    assert "failed" not in ok and re.search(r"^\s+2\s+0\.1\s+\d+\.\d{2}\s+[\d,]+\.\d$", ok), ok
     assert (sweep / "2" / "model_final.pt").is_file() and not (sweep / "2" / "failed.txt").exists()
     # the same sweep dir again: refused before anything is written (it holds that sweep's results)
     out = run("tr-train", "-m", "optimizer.lr=0.1,0.2", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)

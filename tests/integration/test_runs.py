@@ -134,7 +134,10 @@ def test_multirun_sweep_prints_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     assert "sweep summary" in out.stdout
     table = (tmp_path / "sweep" / "summary.txt").read_text().splitlines()
-    assert len(table) == 5  # header + 4 runs
+    assert len(table) == 6  # the fixed overrides, the header, 4 runs
+    assert table[0] == "fixed: recipe=cpu_smoke data.train_size=128 data.val_size=64"
+    assert table[1].split()[:3] == ["job", "optimizer", "amp"]
+    assert [r.split()[1:3] for r in table[2:]] == [["sgd", "False"], ["sgd", "True"], ["lars", "False"], ["lars", "True"]]  # as Hydra saved them
     for job in range(4):
         assert (tmp_path / "sweep" / str(job) / "tb").is_dir()
         assert (tmp_path / "sweep" / str(job) / "model_final.pt").is_file()

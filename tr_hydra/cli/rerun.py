@@ -1,7 +1,8 @@
 """Rerun a past run from its run dir: every value of its saved config becomes an explicit
 override (so today's defaults cannot change it), and its own hydra.* overrides come along,
 except where it ran: a rerun never writes into the run it replays, so the original's
-``hydra.run.dir``, ``hydra.sweep.*`` and ``hydra.mode`` are dropped and Hydra picks a new
+``hydra.run.dir``, ``hydra.sweep.*`` and ``hydra.mode`` are dropped (with its sweeper's and
+launcher's settings: a search trial reruns as one run) and Hydra picks a new
 ``outputs/<date>/<time>`` (a ``hydra.run.dir=...`` on the rerun's own command line is honoured,
 and refused by tr-train if that dir holds another run's results). Keys that are no longer
 options (what they chose is fixed behaviour now) are dropped, and named."""
@@ -15,8 +16,10 @@ from tr_hydra.errors import ConfigError
 
 SKIP = {"recipe"}  # a recipe's values are already in the saved config
 
-# the original's own place and mode (a sweep job's hydra.mode=MULTIRUN would make the rerun a sweep)
-_WHERE_IT_RAN = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id")
+# the original's own place and mode (a sweep job's hydra.mode=MULTIRUN would make the rerun a
+# sweep), and how its sweep was driven and launched: a rerun is one run, which uses neither
+_WHERE_IT_RAN = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id",
+                 "hydra.sweeper.", "hydra.launcher.", "hydra/sweeper", "hydra/launcher")
 
 
 def _where_it_ran(override: str) -> bool:

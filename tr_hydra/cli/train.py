@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from tr_hydra.cli._common import compose, fail, one_line, user_errors
+from tr_hydra.cli.plugins import check_plugins, search_sweeper
 from tr_hydra.cli.run_dir import check_run_dir, check_writable, results_in
 from tr_hydra.config.locate import config_dir
 from tr_hydra.errors import ConfigError
@@ -18,7 +19,30 @@ EXIT_JOBS_FAILED = 1  # a sweep ran to its end and some of its jobs failed (2: r
 
 
 def _is_multirun(argv: list[str]) -> bool:
-    return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
+    """-m, or a config that sets hydra.mode=MULTIRUN (as a search config may)."""
+    if any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv):
+        return True
+    h = _hydra_cfg(argv)
+    return h is not None and str(h.mode) == "RunMode.MULTIRUN"
+
+
+def _fixed(argv: list[str]) -> list[str]:
+    """The overrides that are not sweeps (``a=1,2``, ``choice(...)``, ``interval(...)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    args = _all_overrides(argv)
+    try:
+        parsed = OverridesParser.create().parse_overrides(args)
+    except Exception:  # noqa: BLE001 - composing them names the bad one
+        return args
+    return [o.input_line for o in parsed if not o.is_sweep_override()]
+
+
+def _hydra_cfg(argv: list[str]):
+    """The hydra node as the fixed overrides compose it; None where they do not."""
+    try:
+        return compose(_fixed(argv), return_hydra_config=True).hydra
+    except Exception:  # noqa: BLE001 - Hydra itself reports what does not compose
+        return None
 
 
 def _overrides(argv: list[str]) -> list[str]:
@@ -53,6 +77,7 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool) -> None:
     sweep dir (writable, not holding another run's results)."""
     from tr_hydra.config.plan_config import plan_config_from
     with user_errors("tr-train"):
+        check_plugins(_all_overrides(argv))
         if not multirun:
             pc = plan_config_from(compose(_overrides(argv)))
             run_dir, _ = _hydra_dirs(argv)
@@ -61,10 +86,18 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool) -> None:
                 check_run_dir("hydra.run.dir", run_dir, pc)
             return
         # a sweep: every job's config composes (a value of the wrong type is refused here, naming
-        # key and value); the checks of each job's values are its own (a failed job is a row)
-        jobs = _sweep_jobs(argv)
-        for job in jobs:
-            compose(_overrides(job))
+        # key and value); the checks of each job's values are its own (a failed job is a row).
+        # A search sweeper picks its jobs' values itself: what is fixed composes, and the
+        # sweeper must seek the objective's best, not its worst
+        fixed = compose(_fixed(argv), return_hydra_config=True)
+        if search_sweeper(fixed.hydra):
+            from tr_hydra.config.objective import check_sweeper_direction
+            check_sweeper_direction(fixed.trainer.objective, fixed.hydra.sweeper.get("direction"))
+            jobs = [_fixed(argv)]
+        else:
+            jobs = _sweep_jobs(argv)
+            for job in jobs:
+                compose(_overrides(job))
         _, sweep_dir = _hydra_dirs(jobs[0] if jobs else argv)
         if rank0 and sweep_dir is not None:
             check_writable("hydra.sweep.dir", sweep_dir)
@@ -120,10 +153,13 @@ class _RunLog:
             raise
 
 
-def run(cfg) -> dict:
-    """The Hydra task: one training run in the Hydra run dir. Alone, a mistake or a stop ends
-    the process with one line (exit 2); in a sweep (-m) a job's error of any kind is that job's
-    ``failed.txt`` and its row in the summary, and the sweep goes on to the next job."""
+def run(cfg) -> float:
+    """The Hydra task: one training run in the Hydra run dir; returns ``trainer.objective``'s
+    best value (NaN where no validation ran), what a search sweeper optimises. Alone, a mistake or
+    a stop ends the process with one line (exit 2); in a sweep (-m) a job's error of any kind is
+    that job's ``failed.txt`` and its row in the summary, and the sweep goes on to the next job:
+    Hydra's basic sweeper gets NaN, a search sweeper (Optuna, ...) a failed trial, which it records
+    as failed before it goes on (within its ``max_failure_rate``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     hc = HydraConfig.get()
@@ -151,18 +187,27 @@ def run(cfg) -> dict:
             failed.write_text(reason + "\n")
         except OSError as w:
             print(f"tr-train: {failed} not written: {w.strerror}", file=sys.stderr, flush=True)
-        return {"failed": reason}
+        if str(hc.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return float("nan")
+        raise TrialFailed(f"job {hc.job.num}: {reason}") from None
 
 
-def _train(cfg, run_dir: str, key: str) -> dict:
+class TrialFailed(RuntimeError):
+    """A sweep's job that failed, as a search sweeper is told (its reason is in failed.txt)."""
+
+
+def _train(cfg, run_dir: str, key: str) -> float:
     from tr_hydra.config.plan_config import plan_config_from
-    from tr_hydra.runtime.world import env_world
+    from tr_hydra.runtime.world import env_world, submitit_job
     pc = plan_config_from(cfg)
     w = env_world()
     if w is None or w[0] == 0:  # the other ranks keep no run dir of their own
         check_run_dir(key, run_dir, pc)
     from tr_hydra.train.trainer import Trainer
     say = _RunLog(run_dir)
+    job = submitit_job()
+    if job:
+        say(job)
     with say.errors():
         trainer = Trainer(pc, run_dir, log=say)
         if not trainer.is_main:
@@ -170,7 +215,7 @@ def _train(cfg, run_dir: str, key: str) -> dict:
                 trainer.fit()
             finally:
                 _close(trainer)
-            return {}
+            return float("nan")
         say(f"run dir {run_dir}  device {trainer.device}  arena {trainer.compiled.plan.total_bytes:,} bytes  "
             f"model={pc.model.name} optimizer={pc.optimizer.name} amp={pc.amp_dtype if pc.amp else 'off'}")
         try:
@@ -178,12 +223,12 @@ def _train(cfg, run_dir: str, key: str) -> dict:
         finally:
             _close(trainer)
     if result.preempted:
-        return {}
+        return float("nan")
     last = result.epochs[-1] if result.epochs else {}
     top1 = last.get("val", {}).get("top1")
     val = f"final val top1 {top1:.2f}" if top1 is not None else "final val top1 n/a (the last epoch ran no validation)"
     say(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, {val}, weights in {result.final_path}")
-    return last
+    return float(result.summary.get("objective_value", float("nan")))
 
 
 def _expand_rerun(argv: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tr_hydra.config import schema
+from tr_hydra.config import objective, schema
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.conditions import PlanConditions
 
@@ -326,6 +326,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     _check(trainer.log_every >= 1, "trainer.log_every", "must be >= 1")
     _check(0 <= trainer.label_smoothing < 1, "trainer.label_smoothing", "must be in [0, 1)")
     _check(trainer.loss_scale > 0, "trainer.loss_scale", "must be > 0")
+    objective.check(trainer.objective, bool(cfg.ema))
     _check(0 < cfg.ema_decay < 1, "ema_decay", f"must be in (0, 1), got {cfg.ema_decay}")
 
     train_size, val_size = dataset_sizes(data, v.train_size, v.val_size)

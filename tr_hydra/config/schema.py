@@ -171,6 +171,7 @@ class TrainerConfig:
     loss_scale_growth_interval: int = 2000
     max_nonfinite: int = 3
     progress: bool = True
+    objective: str = "val/top1"      # what tr-train returns to a sweeper: config/objective.py
 
 
 @dataclass

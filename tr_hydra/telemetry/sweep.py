@@ -14,15 +14,17 @@ FAILED = "failed.txt"  # a job's one-line reason, in its dir
 LAST: dict = {}  # the last summary's rows in this process (tr-train's exit code counts the failed ones)
 
 
-def _overrides(job: Path) -> str:
+def _overrides(job: Path) -> list[tuple[str, str]]:
+    """The job's overrides as (key, value) pairs, as Hydra saved them for it."""
     path = job / ".hydra" / "overrides.yaml"
     if not path.is_file():
-        return ""
+        return []
     import yaml
     try:
-        return " ".join(str(o) for o in (yaml.safe_load(path.read_text()) or []))
+        items = [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
     except (OSError, yaml.YAMLError):
-        return ""
+        return []
+    return [(k, v) for k, _, v in (o.partition("=") for o in items)]
 
 
 def _summary(metrics: Path) -> dict:
@@ -52,29 +54,64 @@ def sweep_rows(sweep_dir: Path) -> list[dict]:
         rows.append({"job": job.name, "overrides": _overrides(job),
                      "failed": _reason(failed) if failed.is_file() else None,
                      "unfinished": not failed.is_file() and not s,
-                     "best_val_top1": s.get("best_val_top1"), "final_val_loss": s.get("final_val_loss"),
+                     "objective": s.get("objective", "val/top1" if "best_val_top1" in s else None),
+                     "objective_value": s.get("objective_value", s.get("best_val_top1")),
                      "img_per_sec": s.get("img_per_sec"), "steps": s.get("steps")})
     return rows
 
 
+def split_overrides(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """(the overrides every job shares, as ``key=value``; the keys whose values differ: the
+    swept ones), each in the order the jobs name them."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k, _ in r["overrides"] if k not in keys]
+    values = [dict(r["overrides"]) for r in rows]
+    fixed = [k for k in keys if all(k in v for v in values) and len({v[k] for v in values}) == 1]
+    return [f"{k}={values[0][k]}" for k in fixed], [k for k in keys if k not in fixed]
+
+
+def _short(v: str) -> str:
+    """A long float as a search sweeper writes it (0.30233257263183977) in 6 digits."""
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return f"{f:.6g}" if len(v) > 8 and any(c in v for c in ".e") else v
+
+
 def _num(v, spec: str, width: int) -> str:
-    return f"{v:>{width}{spec}}" if isinstance(v, (int, float)) else f"{'n/a':>{width}}"
+    return f"{v:>{width}{spec}}" if isinstance(v, (int, float)) and v == v else f"{'n/a':>{width}}"
 
 
 def format_table(rows: list[dict]) -> str:
+    """The overrides all jobs share on one line, then a row per job: a column per swept key,
+    the objective (best over the job's epochs) and img/s; the best job marked."""
     if not rows:
         return "sweep: no jobs ran"
-    width = max(len("overrides"), *(len(r["overrides"]) for r in rows))
-    lines = [f"{'job':>4}  {'overrides':<{width}}  {'best val top1':>13}  {'val loss':>9}  {'img/s':>10}"]
+    from tr_hydra.config.objective import OBJECTIVES, direction
+    fixed, swept = split_overrides(rows)
+    name = next((r["objective"] for r in rows if r.get("objective")), "val/top1")
+    spec = ".4f" if name.endswith("loss") else ".2f"
+    done = [r for r in rows if not r["failed"] and not r["unfinished"] and isinstance(r["objective_value"], (int, float))
+            and r["objective_value"] == r["objective_value"] and r.get("objective") == name]
+    pick = max if name in OBJECTIVES and direction(name) == "max" else min
+    best = pick(done, key=lambda r: r["objective_value"]) if done else None
+    cols = [(k, max(len(k), *(len(_short(dict(r["overrides"]).get(k, "-"))) for r in rows))) for k in swept]
+    title = f"best {name}"
+    obj_w = max(len(title), 9)
+    lines = [f"fixed: {' '.join(fixed)}"] if fixed else []
+    lines.append("  ".join([f"{'job':>4}"] + [f"{k:<{w}}" for k, w in cols] + [f"{title:>{obj_w}}", f"{'img/s':>10}"]))
     for r in rows:
-        head = f"{r['job']:>4}  {r['overrides']:<{width}}  "
-        if r.get("failed"):
+        vals = dict(r["overrides"])
+        head = "  ".join([f"{r['job']:>4}"] + [f"{_short(vals.get(k, '-')):<{w}}" for k, w in cols]) + "  "
+        if r["failed"]:
             lines.append(head + f"failed: {r['failed']}")
-        elif r.get("unfinished"):
+        elif r["unfinished"]:
             lines.append(head + "not finished (stopped before its end: resume=auto in its dir continues it)")
         else:
-            lines.append(head + f"{_num(r['best_val_top1'], '.2f', 13)}  {_num(r['final_val_loss'], '.4f', 9)}  "
-                         f"{_num(r['img_per_sec'], ',.1f', 10)}")
+            lines.append(head + f"{_num(r['objective_value'], spec, obj_w)}  {_num(r['img_per_sec'], ',.1f', 10)}"
+                         + ("  <- best" if r is best and len(done) > 1 else ""))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tr_hydra import startup
+from tr_hydra.config import objective
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
@@ -314,6 +315,7 @@ class Trainer:
                    "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
                    "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
                    "steps": step}
+        summary.update(self._objective(history))
         if res.start_wait_seconds:
             summary["start_wait_seconds"] = res.start_wait_seconds
         res.summary = summary
@@ -321,8 +323,15 @@ class Trainer:
         tel.close(_jsonable(self.pc.to_dict()), summary)
         self.log(f"summary: best val top1 {summary['best_val_top1']:.2f}  total {summary['total_seconds']:.1f}s  "
                  f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
-                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB")
+                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB"
+                 + (f"  objective {summary['objective']} {summary['objective_value']:.4f}"
+                    if summary["objective"] != "val/top1" else ""))
         return res
+
+    def _objective(self, history: list) -> dict:
+        """``trainer.objective`` and its best value over the epochs (NaN without validation)."""
+        name = self.pc.trainer.objective
+        return {"objective": name, "objective_value": objective.best(history, name)}
 
     def _summary_kept(self, history: list, step: int) -> dict:
         """The summary of a run resumed after its last step: the one metrics.json holds for
@@ -341,7 +350,7 @@ class Trainer:
                 "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
                 "img_per_sec": n / secs if secs else 0.0, "total_seconds": secs,
                 "arena_bytes": self.rt.compiled.plan.total_bytes, "peak_device_bytes": 0, "steps": step,
-                "from_history": True}
+                "from_history": True, **self._objective(history)}
 
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
