@@ -209,19 +209,29 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
             d.mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
     out = run("tr-bench", "recipe=cpu_smoke", f"bench.data={tmp_path / 'jpegs'}", "bench.warmup=2",
-              "bench.modes=[tr,dl-compile]", "variants.batch_size=8", "variants.base_res=16",
+              "bench.modes=[tr,dl-compile,tr-shards,dali-compile,dali-shards-compile]", "variants.batch_size=8",
+              "variants.base_res=16",
               "variants.val_res=16", "bench.profile=true", "bench.steps=3", f"bench.out={tmp_path / 'e.json'}",
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "e.json").read_text())
-    assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile"] and res["train_images"] == 40
+    assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile", "tr-shards", "dali-compile",
+                                                 "dali-shards-compile"] and res["train_images"] == 40
+    # the shards: prepared from the folder on first use (tr-prepare's defaults), every image in them
+    index = json.loads((tmp_path / "jpegs" / "shards" / "index.json").read_text())
+    assert res["shards"] == str(tmp_path / "jpegs" / "shards") and index["splits"]["train"]["count"] == 40
+    by = {m["mode"]: m for m in res["modes"]}
+    assert by["tr-shards"]["images"] == by["tr"]["images"] == 40 - 2 * 8 + 40
+    for m in ("tr", "tr-shards", "dali-compile", "dali-shards-compile"):  # the input alone, no step
+        assert by[m]["decode_img_per_sec"] > 0 and by[m]["img_per_sec"] > 0
+    assert "decode_img_per_sec" not in by["dl-compile"] and "decode only" in out.stdout
     tr = res["modes"][0]
     assert tr["images"] == 40 - 2 * 8 + 40 and tr["img_per_sec"] > 0  # rest of epoch 0, all of epoch 1
     assert tr["startup"]["graphs"] == 0 and "startup" not in res["modes"][1]  # tr_hydra's start-up, on the CPU
     assert 0 <= tr["epoch_switch_wait_seconds"] <= tr["data_wait_seconds"] < tr["seconds"]
     assert 0 <= tr["copy_wait_seconds"] <= tr["data_wait_seconds"]  # part of it: the previous copy out
     assert tr["epochs_read_ahead"] == 1  # epoch 1's reader was built while epoch 0 ran
-    for r in res["modes"]:  # each part of the window timed on its own: rest of epoch 0, epoch 1
+    for r in res["modes"][:2]:  # each part of the window timed on its own: rest of epoch 0, epoch 1
         assert len(r["epoch_img_per_sec"]) == 2 and min(r["epoch_img_per_sec"]) > 0
         # the parts add up to the whole window (host clock on the CPU, no gaps between marks)
         parts = [24, 40] if r["mode"] == "tr" else None
@@ -236,7 +246,7 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
     assert prof["mode"] == "tr" and prof["wall_ms_per_step"] > 0 and prof["device_busy_ms_per_step"] > 0
     assert prof["groups_ms_per_step"] and prof["top_kernels"] and prof["data_wait_ms_per_step"] >= 0
     assert "device busy" in out.stdout and "profile" not in res["modes"][1]
-    assert "tr, profiled steps: the host waited" in out.stdout
+    assert "tr, profiled steps: the host waited" in out.stdout and "tr-shards, profiled steps" in out.stdout
     bad = run("tr-bench", f"bench.data={tmp_path / 'jpegs'}", "bench.modes=[reduce-overhead]", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown ['reduce-overhead'] with bench.data" in bad.stderr
 

@@ -140,36 +140,81 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
 
 def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
                      warm_steps: int = 8, hw_decoder_load: float | None = None,
-                     options: dict | None = None) -> dict:
-    """NVIDIA DALI as its documentation sets it up (file reader, nvJPEG mixed decode of the random
-    crop's region only, resize, flip, normalise to fp16 HWC; pipelined asynchronous executor, every core)
-    feeding the model under torch.compile, bf16 autocast, fused SGD."""
-    from nvidia.dali import fn, pipeline_def, types
+                     options: dict | None = None, shards: str | None = None) -> dict:
+    """NVIDIA DALI as its documentation sets it up (a reader, nvJPEG mixed decode of the random
+    crop's region only, resize, flip, normalise to fp16 HWC; pipelined asynchronous executor,
+    every core) feeding the model under torch.compile, bf16 autocast, fused SGD. The reader:
+    ``fn.readers.file`` over the folder ``root``, or with ``shards`` (a tr-prepare output)
+    ``fn.readers.webdataset`` over its training shards. First DALI alone over an epoch (the
+    decode-only rate), then the training."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
     t0 = time.perf_counter()
-    train = Path(root) / "train"
-    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
-
-    @pipeline_def(batch_size=batch, num_threads=os.cpu_count() or 4, device_id=device.index or 0, seed=1)
-    def pipe():
-        enc, label = fn.readers.file(file_root=str(train), random_shuffle=True, name="Reader")
-        # data.hw_decoder_load, when set, applies to this pipeline as to tr_hydra's
-        hw = {} if hw_decoder_load is None else {"hw_decoder_load": hw_decoder_load}
-        # decode only the random crop's region, then resize (DALI's own ResNet-50 training recipe)
-        img = fn.decoders.image_random_crop(enc, device="mixed", output_type=types.RGB, **hw)
-        img = fn.resize(img, size=(res, res))
-        img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), dtype=types.FLOAT16,
-                                       output_layout="HWC", mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-                                       std=[0.229 * 255, 0.224 * 255, 0.225 * 255])
-        return img, label.gpu()
-    p = pipe()
-    p.build()
+    p, classes, n = _dali_pipe(root, batch, res, device, hw_decoder_load, shards)
     it = DALIGenericIterator([p], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                              auto_reset=True)
-    step = _compiled_step(model_name, len(classes), device, amp, options)
+    decode = _decode_rate(it, device, shards is not None)
+    t0 += decode["seconds"]  # the first-step figure counts building and warming up, not the decode-only pass
+    step = _compiled_step(model_name, classes, device, amp, options)
 
     def batches():
         for epoch in range(2):  # two epochs (auto_reset); the first warm_steps batches are the warm-up
             for d in it:
-                yield epoch, d[0]["x"].permute(0, 3, 1, 2), d[0]["y"].view(-1).long()
-    return _timed_epoch(batches(), step, warm_steps, t0)
+                x = d[0]["x"].permute(0, 3, 1, 2)  # DALI's fp16; autocast takes it as it is
+                yield epoch, (x if amp else x.float()), _labels(d[0]["y"], shards is not None, device)
+    return dict(_timed_epoch(batches(), step, warm_steps, t0), decode_img_per_sec=decode["img_per_sec"])
+
+
+def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards: str | None):
+    """(pipeline, classes, train images): DALI's usual training pipeline over the folder or the shards."""
+    import json
+    from nvidia.dali import fn, pipeline_def, types
+    gpu = device.type == "cuda"
+    if shards is None:
+        train = Path(root) / "train"
+        classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+        n = sum(1 for p in train.rglob("*") if p.is_file())
+    else:
+        index = json.loads((Path(shards) / "index.json").read_text())
+        classes, n = index["classes"], index["splits"]["train"]["count"]
+        tars = [str(Path(shards) / "train" / s["name"]) for s in index["splits"]["train"]["shards"]]
+
+    @pipeline_def(batch_size=batch, num_threads=os.cpu_count() or 4, device_id=(device.index or 0) if gpu else None,
+                  seed=1)
+    def pipe():
+        if shards is None:
+            enc, label = fn.readers.file(file_root=str(train), random_shuffle=True, name="Reader")
+        else:  # webdataset: shards read in turn through a shuffle buffer
+            enc, label = fn.readers.webdataset(paths=tars, ext=["jpg", "cls"], random_shuffle=True,
+                                               initial_fill=min(4096, n), name="Reader")
+        # data.hw_decoder_load, when set, applies to this pipeline as to tr_hydra's
+        hw = {} if hw_decoder_load is None or not gpu else {"hw_decoder_load": hw_decoder_load}
+        # decode only the random crop's region, then resize (DALI's own ResNet-50 training recipe)
+        img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB, **hw)
+        img = fn.resize(img, size=(res, res))
+        img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), dtype=types.FLOAT16,
+                                       output_layout="HWC", mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+                                       std=[0.229 * 255, 0.224 * 255, 0.225 * 255])
+        return img, (label.gpu() if gpu and shards is None else label)
+    p = pipe()
+    p.build()
+    return p, len(classes), n
+
+
+def _labels(y, text: bool, device) -> torch.Tensor:
+    """The batch's labels: the file reader's ints, or the ASCII text of webdataset's ``.cls``."""
+    if not text:
+        return y.view(-1).long()
+    return torch.tensor([int(bytes(v.tolist()).decode()) for v in y.cpu()], device=device)
+
+
+def _decode_rate(it, device, text_labels: bool) -> dict:
+    """DALI alone: img/s over one epoch of ``it`` with no training step (the batches reach the
+    device as they would for training)."""
+    t = time.perf_counter()
+    n = 0
+    for d in it:
+        _labels(d[0]["y"], text_labels, device)
+        n += d[0]["x"].shape[0]
+    sync()
+    seconds = time.perf_counter() - t
+    return {"img_per_sec": n / seconds if seconds else 0.0, "seconds": seconds}

@@ -19,20 +19,25 @@ from tr_hydra.runtime.schedule import epoch_schedule
 
 def end_to_end(pc, b, device) -> dict:
     """Every mode of ``b.modes`` on the folder ``b.data`` (first ``b.generate`` JPEGs written
-    into it, if asked); the results as tr-bench writes them."""
+    into it, if asked) and on shards tr-prepare wrote from it (``<b.data>/shards``, written on
+    first use with tr-prepare's defaults); the results as tr-bench writes them."""
     modes = pick_modes(b.modes, device, e2e=True)
     if b.generate:
         make_jpegs(b.data, b.generate)
     fpc = folder_config(pc, b.data, pc.runtime.compile)
+    shards = ensure_shards(b.data) if any("shards" in m for m in modes) else None
     v = fpc.variant("train_base")
     options = dict(fpc.runtime.inductor_options)
     records = []
     for m in modes:
-        if m == "tr":
-            r = e2e_tr(fpc, warm_steps=b.warmup, profile_steps=b.steps if b.profile else 0)
-        elif m == "dali-compile":
+        if m in ("tr", "tr-shards"):
+            mpc = fpc if m == "tr" else shards_config(fpc, shards)
+            r = e2e_tr(mpc, warm_steps=b.warmup, profile_steps=b.steps if b.profile else 0, name=m)
+            r["decode_img_per_sec"] = decode_only(mpc, device)
+        elif m in ("dali-compile", "dali-shards-compile"):
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
-                                 hw_decoder_load=fpc.data.hw_decoder_load, options=options)
+                                 hw_decoder_load=fpc.data.hw_decoder_load, options=options,
+                                 shards=str(shards) if m == "dali-shards-compile" else None)
         else:
             r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp,
                                        warm_steps=b.warmup, options=options)
@@ -42,8 +47,48 @@ def end_to_end(pc, b, device) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"config": fpc.describe(), "runtime": dataclasses.asdict(fpc.runtime), "device": str(device),
-            "data": b.data, "train_images": fpc.train_size,
+            "data": b.data, "shards": str(shards) if shards else None, "train_images": fpc.train_size,
             "batch": v.batch, "res": v.res, "modes": records}
+
+
+def ensure_shards(root: str) -> Path:
+    """``<root>/shards``: the folder prepared by tr-prepare's defaults (max_side 320, quality 90),
+    written on first use, then reused (tr-prepare checks it is the same preparation)."""
+    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.data.prepare import Settings, prepare
+    out = Path(root) / "shards"
+    if not (out / "index.json").is_file():
+        print(f"tr-bench: preparing shards of {root} in {out} (tr-prepare's defaults)", flush=True)
+    prepare(DataSpec(name="imagefolder", root=str(root)), out, Settings(), workers=os.cpu_count() or 1,
+            skip_corrupt=False, log=lambda m: print(m, flush=True))
+    return out
+
+
+def shards_config(pc, shards: Path):
+    """``pc`` (of the folder) reading the shards prepared from it instead."""
+    return dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="shards", root=str(shards)))
+
+
+def decode_only(pc, device) -> float:
+    """tr_hydra's input alone: img/s of the training split's first epoch from its DALI source,
+    each batch copied to the device as the feeder copies it, no step."""
+    from tr_hydra.data.dali_source import DaliSource
+    src = DaliSource(pc, device, torch.float16 if pc.amp else torch.float32, log=lambda *_: None)
+    try:
+        sched = epoch_schedule(pc, 0)
+        t, n = time.perf_counter(), 0
+        for v, i, size in sched:
+            out = src.batch("train", i, pc.variant(v).batch, size, pc.variant(v).res, epoch=0)
+            images = out.images.as_tensor() if hasattr(out.images, "as_tensor") else out.images
+            if device.type == "cuda":
+                from nvidia.dali.plugin.pytorch import feed_ndarray
+                buf = torch.empty(images.shape(), dtype=out.dtype, device=device)
+                feed_ndarray(images, buf, cuda_stream=torch.cuda.current_stream())
+            n += size
+        sync(device)
+        return n / (time.perf_counter() - t)
+    finally:
+        src.close()
 
 
 def make_jpegs(root: str, n: int, classes: int = 100, width: int = 500, height: int = 375) -> str:
@@ -95,7 +140,7 @@ def folder_config(pc, root: str, compile_mode: str):
                                runtime=dataclasses.replace(pc.runtime, compile=compile_mode))
 
 
-def e2e_tr(pc, warm_steps: int = 8, profile_steps: int = 0) -> dict:
+def e2e_tr(pc, warm_steps: int = 8, profile_steps: int = 0, name: str = "tr") -> dict:
     """tr_hydra end to end: one epoch of the folder after a warm-up (pipelines built, decoders
     and graphs ready); the first figure is build + capture + warm-up. ``profile_steps``: after
     the timed window, that many steps of a third epoch under ``torch.profiler`` (``profile``:
@@ -134,13 +179,13 @@ def e2e_tr(pc, warm_steps: int = 8, profile_steps: int = 0) -> dict:
                "epochs_read_ahead": getattr(rt.source, "ahead_used", 0),
                "startup": rep.to_json()}
         if profile_steps:
-            out["profile"] = _profile_e2e(rt, epoch_schedule(pc, 2)[:profile_steps], lr)
+            out["profile"] = _profile_e2e(rt, epoch_schedule(pc, 2)[:profile_steps], lr, name)
     finally:
         rt.close()
     return out
 
 
-def _profile_e2e(rt, steps: list, lr) -> dict:
+def _profile_e2e(rt, steps: list, lr, name: str = "tr") -> dict:
     """``steps`` of epoch 2 under torch.profiler: ``report.kernel_profile``'s figures per step,
     and how long the host waited for batches meanwhile."""
     from torch.profiler import ProfilerActivity, profile
@@ -153,21 +198,26 @@ def _profile_e2e(rt, steps: list, lr) -> dict:
         rt.run_steps(steps, "train", lr=lr, epoch=2)
         sync(rt.device)
         wall = time.perf_counter() - t
-    return dict(kernel_profile(prof, "tr", len(steps), wall, cuda),
+    return dict(kernel_profile(prof, name, len(steps), wall, cuda),
                 data_wait_ms_per_step=1000 * (rt.data_wait - w0) / max(len(steps), 1))
 
 
 def e2e_table(records: list[dict]) -> str:
     tr = next((r for r in records if r["mode"] == "tr"), None)
-    lines = [f"{'mode':<14} {'img/s':>10} {'tr_hydra x':>11} {'first step s':>13} {'epoch 0 rest / epoch 1':>24}"]
+    lines = [f"{'mode':<20} {'img/s':>10} {'tr_hydra x':>11} {'decode only':>12} {'first step s':>13} "
+             f"{'epoch 0 rest / epoch 1':>24}"]
     for r in records:
         ratio = f"{tr['img_per_sec'] / r['img_per_sec']:.2f}" if tr else "-"  # no tr_hydra run: no ratio
         parts = " / ".join(f"{v:,.0f}" for v in r.get("epoch_img_per_sec", []))
-        lines.append(f"{r['mode']:<14} {r['img_per_sec']:>10,.1f} {ratio:>11} {r['first_step_seconds']:>13.1f} "
+        dec = f"{r['decode_img_per_sec']:,.0f}" if r.get("decode_img_per_sec") else "-"
+        lines.append(f"{r['mode']:<20} {r['img_per_sec']:>10,.1f} {ratio:>11} {dec:>12} {r['first_step_seconds']:>13.1f} "
                      f"{parts:>24}")
-    if tr and "data_wait_seconds" in tr:
-        lines.append(f"tr_hydra waited {tr['data_wait_seconds']:.2f} s of {tr['seconds']:.2f} s for batches "
-                     f"({tr.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
-                     f"{tr['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; "
-                     f"epoch 1's first batch decoding before the switch: {'yes' if tr['epochs_read_ahead'] else 'no'})")
+    for r in records:
+        if r["mode"] in ("tr", "tr-shards") and "data_wait_seconds" in r:
+            lines.append(f"{r['mode']} waited {r['data_wait_seconds']:.2f} s of {r['seconds']:.2f} s for batches "
+                         f"({r.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
+                         f"{r['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; epoch 1's first batch "
+                         f"decoding before the switch: {'yes' if r['epochs_read_ahead'] else 'no'})")
+    lines.append("decode only: the input alone over an epoch (img/s with no training step); where it is "
+                 "below a mode's img/s ceiling, the input sets the pace")
     return "\n".join(lines)

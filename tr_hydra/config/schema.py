@@ -41,6 +41,7 @@ class DataName(enum.Enum):
     imagefolder = "imagefolder"
     arrays = "arrays"
     digits = "digits"
+    shards = "shards"
 
 
 class AmpDtype(enum.Enum):
@@ -222,6 +223,17 @@ class BenchConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """tr-prepare: the source is ``data``; documented in conf/prepare/default.yaml."""
+    out: Optional[str] = None
+    max_side: int = 320
+    quality: int = 90
+    shard_samples: int = 5000
+    workers: Any = "auto"
+    skip_corrupt: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -232,6 +244,7 @@ class Config:
     plan: PlanSection = field(default_factory=PlanSection)
     dist: DistConfig = field(default_factory=DistConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     recipe: Optional[Any] = None
     amp: bool = False
     amp_dtype: AmpDtype = AmpDtype.bf16

@@ -1,4 +1,4 @@
-"""NVIDIA DALI input: imagefolder, arrays and digits through one pipeline shape.
+"""NVIDIA DALI input: imagefolder, digits, arrays and prepared shards through one pipeline shape.
 
 The host decides every batch (order from (seed, epoch), shard, partial last batch) and feeds the
 samples through ``external_source``; DALI decodes (nvJPEG "mixed" on GPU, CPU otherwise),
@@ -73,11 +73,13 @@ def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
         train, classes = scan_imagefolder(root, "train")
         val, _ = scan_imagefolder(root, "val", classes)
         index = {"train": train, "val": val}
-        n = pc.data.num_classes
-        if len(classes) < n:
-            log(f"data: {os.path.join(root, 'train')} has {len(classes)} class folders but data.num_classes={n}: "
-                f"{n - len(classes)} of the model's outputs never see a label (set data.num_classes="
-                f"{len(classes)} if that is not meant)")
+        _fewer_classes(classes, pc.data.num_classes, os.path.join(root, "train"), log)
+    elif d.name == "shards":
+        if not d.root:
+            raise ConfigError("data.root: required for data=shards (a tr-prepare output)")
+        from tr_hydra.data.shards import load_shards
+        index, classes = load_shards(d.root, log)
+        _fewer_classes(classes, d.num_classes, d.root, log, "classes")
     elif d.name == "arrays":
         if not d.path:
             raise ConfigError("data.path: required for data=arrays")
@@ -87,6 +89,12 @@ def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
     for split in ("train", "val"):
         check_labels(index[split], pc.model.num_classes, f"{split} split")
     return index
+
+
+def _fewer_classes(classes: list, n: int, where, log, what: str = "class folders") -> None:
+    if len(classes) < n:
+        log(f"data: {where} has {len(classes)} {what} but data.num_classes={n}: {n - len(classes)} of the "
+            f"model's outputs never see a label (set data.num_classes={len(classes)} if that is not meant)")
 
 
 DEPTH = 2  # batches DALI prepares ahead of the one being consumed
@@ -247,10 +255,11 @@ class DaliSource:
                       exec_async=stream, exec_pipelined=stream, **kw)
         def pipe():
             if encoded:
-                paths = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
-                # plain reads: mapping each file read 25,000 files/s against 41,000-55,000
-                # with plain reads (2 threads, page cache warm)
-                enc = fn.io.file.read(paths, dont_use_mmap=True)
+                enc = fn.external_source(name="images", dtype=types.UINT8, ndim=1)
+                if self.index[split].blob is None:  # file paths, not shards' JPEG bytes: read them
+                    # plain reads: mapping each file read 25,000 files/s against 41,000-55,000
+                    # with plain reads (2 threads, page cache warm)
+                    enc = fn.io.file.read(enc, dont_use_mmap=True)
                 dev = "mixed" if gpu else "cpu"
                 if augment:  # decode only the random crop's region (DALI's fused decoder and crop)
                     img = fn.decoders.image_random_crop(enc, device=dev, output_type=types.RGB,
@@ -290,8 +299,11 @@ class DaliSource:
         return self._orders[key]
 
     def _samples(self, split: str, ids: np.ndarray) -> list:
-        """What a pipeline is fed for ``ids``: the encoded files' paths (as bytes), or the arrays."""
+        """What a pipeline is fed for ``ids``: the shards' bytes, the encoded files' paths (as
+        bytes), or the arrays."""
         idx = self.index[split]
+        if idx.blob is not None:
+            return [idx.blob(i) for i in ids]
         if idx.encoded:
             return [np.frombuffer(idx.paths[i].encode(), dtype=np.uint8) for i in ids]
         return [idx.images[i] for i in ids]
@@ -448,7 +460,7 @@ class DaliSource:
             except DataError:
                 raise
             except Exception:
-                if self.index[split].encoded:  # a file that cannot be read is no decode failure
+                if self.index[split].encoded and self.index[split].blob is None:  # unreadable is no decode failure
                     try:
                         with open(self.index[split].paths[i], "rb"):
                             pass

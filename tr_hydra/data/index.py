@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -13,21 +14,27 @@ from tr_hydra.errors import ConfigError
 
 @dataclass
 class SplitIndex:
-    """One split: encoded files (paths) or decoded arrays, and int32 labels."""
+    """One split: encoded files (paths), encoded bytes in prepared shards (``blob(i)``, with
+    ``paths`` naming each sample), or decoded arrays; and int32 labels."""
     labels: np.ndarray                 # int32 [n]
-    paths: list[str] | None = None     # imagefolder / digits
+    paths: Sequence[str] | None = None  # imagefolder / digits: files; shards: names for messages
     images: np.ndarray | None = None   # arrays: uint8 [n, H, W, C]
+    blob: Callable[[int], np.ndarray] | None = None  # shards: sample i's JPEG bytes
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
     def subset(self, n: int) -> "SplitIndex":
-        """n samples: an image folder takes a fixed spread over the whole set (its files are
-        sorted by class, so the first n would drop classes); arrays take the first n in order."""
+        """n samples: an image folder or shards take a fixed spread over the whole set (sorted
+        by class, the first n would drop classes); arrays take the first n in order."""
         if n >= len(self):
             return self
         if self.paths is not None:
             keep = np.sort(np.random.default_rng(0).permutation(len(self))[:n])
+            if self.blob is not None:  # shards: their names and bytes, renumbered
+                blob = self.blob
+                return SplitIndex(self.labels[keep], paths=self.paths.subset(keep),
+                                  blob=lambda i: blob(int(keep[i])))
             return SplitIndex(self.labels[keep], paths=[self.paths[i] for i in keep])
         return SplitIndex(self.labels[:n], images=self.images[:n])
 

@@ -66,6 +66,12 @@ def dataset_sizes(data, train_override: int | None, val_override: int | None) ->
                 raise ConfigError("data.root: required for data=imagefolder")
             train = train or count_images(Path(data.root) / "train")
             val = val or count_images(Path(data.root) / "val")
+        elif data.name == "shards":
+            if not data.root:
+                raise ConfigError("data.root: required for data=shards (a tr-prepare output)")
+            from tr_hydra.data.shards import split_counts
+            n_train, n_val = split_counts(data.root)
+            train, val = train or n_train, val or n_val
         elif data.name == "arrays":
             if not data.path or not Path(data.path).is_file():
                 raise ConfigError(f"data.path: {data.path!r} is not a file")

@@ -1,0 +1,330 @@
+"""tr-prepare's work: a source (image folder, digits, arrays) written once as webdataset shards
+(``data/shards.py`` says how they are read), every image at most ``max_side`` pixels on its
+longer side and JPEG-encoded at ``quality``.
+
+Shard k of a split holds the source's samples k*S .. (k+1)*S-1 in the source's fixed order
+(ImageFolder's: classes by name, files by name), S = ``shard_samples``; processes write whole
+shards in parallel. A shard is written under a temporary name, fsynced and renamed, then its
+sidecar (``.json``: where each sample lies, SHA-256) is written the same way: a shard with a
+sidecar whose checksum holds is finished, and a run started again keeps it. ``prepare.json``
+(the settings and the source, written first) makes a run refuse a dir prepared otherwise;
+``index.json`` (written last) makes the dir readable by ``data=shards``."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import tarfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tr_hydra.data.index import SplitIndex, load_arrays, scan_imagefolder
+from tr_hydra.data.shards import FORMAT, INDEX, SPLITS, sample_key, sha256_file, shard_name
+from tr_hydra.errors import ConfigError, TrHydraError
+
+MANIFEST = "prepare.json"
+
+
+class CorruptSource(TrHydraError):
+    """A source image that cannot be decoded (without prepare.skip_corrupt)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_side: int = 320       # the longer side, at most; smaller images keep their size
+    quality: int = 90         # JPEG quality of re-encoded images
+    shard_samples: int = 5000
+
+
+@dataclass
+class Source:
+    """What is prepared: each split's samples, the class names, and a description of the
+    source that a later run compares (``prepare.json``)."""
+    splits: dict[str, SplitIndex]
+    classes: list[str]
+    names: dict[str, list[str]]  # per split: each sample's name for messages
+    describe: dict
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def open_source(data) -> Source:
+    """The source of ``data`` (a composed ``data`` config: imagefolder, digits or arrays)."""
+    name = str(getattr(data.name, "value", data.name))
+    if name in ("imagefolder", "digits"):
+        root = data.root
+        if name == "digits":
+            from tr_hydra.data.digits import ensure_digits
+            root = ensure_digits(data.cache_dir)
+        if not root:
+            raise ConfigError("data.root: required for data=imagefolder")
+        root = Path(root).resolve()
+        train, classes = scan_imagefolder(root, "train")
+        val, _ = scan_imagefolder(root, "val", classes)
+        splits = {"train": train, "val": val}
+        names = {s: [os.path.relpath(p, root) for p in idx.paths] for s, idx in splits.items()}
+        digest = {s: hashlib.sha256("".join(f"{n}\t{os.path.getsize(p)}\n" for n, p in zip(names[s], idx.paths))
+                                    .encode()).hexdigest() for s, idx in splits.items()}
+        where = {"root": str(root)}
+    elif name == "arrays":
+        if not data.path:
+            raise ConfigError("data.path: required for data=arrays")
+        splits = load_arrays(data.path, 2**31 - 1)
+        classes = [str(c) for c in range(int(max(int(s.labels.max()) for s in splits.values() if len(s)) + 1))]
+        names = {s: [f"{s} sample {i}" for i in range(len(idx))] for s, idx in splits.items()}
+        digest = {s: hashlib.sha256(idx.images.tobytes() + idx.labels.tobytes()).hexdigest() for s, idx in splits.items()}
+        where = {"path": str(Path(data.path).resolve())}
+    else:
+        raise ConfigError(f"data={name}: tr-prepare reads data=imagefolder, digits or arrays")
+    describe = {"data": name, **where,
+                "splits": {s: {"count": len(idx), "digest": digest[s]} for s, idx in splits.items()}}
+    return Source(splits, classes, names, describe)
+
+
+def encode(source, max_side: int, quality: int) -> bytes:
+    """One image as the shards hold it: RGB JPEG, longer side at most ``max_side`` (EXIF
+    orientation applied, as DALI's decoder applies it). A JPEG that needs no change is kept
+    byte for byte (after a full decode proves it sound): no second loss of quality."""
+    from PIL import Image, ImageOps
+    raw = None
+    if isinstance(source, np.ndarray):
+        im = Image.fromarray(source)
+    else:
+        with open(source, "rb") as f:
+            raw = f.read()
+        im = Image.open(io.BytesIO(raw))
+    w, h = im.size
+    scale = max_side / max(w, h)
+    if scale < 1 and im.format == "JPEG":  # decode at a reduced scale where the DCT allows it
+        im.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+    upright = im.getexif().get(0x0112, 1) == 1
+    if raw is not None and im.format == "JPEG" and scale >= 1 and upright and im.mode in ("RGB", "L"):
+        im.load()
+        return raw
+    im = ImageOps.exif_transpose(im).convert("RGB")
+    if max(im.size) > max_side:
+        im.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=quality)
+    return out.getvalue()
+
+
+class _Hashing:
+    """A file tarfile writes through, hashed on the way."""
+
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Add ``name`` (fixed owner, mode and time: the same input makes the same bytes); returns
+    the offset of its data in the archive."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    tar.addfile(info, io.BytesIO(data))
+    return tar.offset - 512 * math.ceil(len(data) / 512)
+
+
+# the source, set in the parent before the workers start (inherited by fork, or sent once)
+_WORK: dict = {}
+
+
+def _init(work: dict) -> None:
+    _WORK.update(work)
+
+
+def _make_shard(job: tuple[str, int, int, int]) -> dict:
+    """Write shard ``number`` of ``split`` (source samples start..stop-1); its sidecar dict, or
+    ``{"corrupt": [...]}`` without ``skip_corrupt`` (nothing written)."""
+    split, number, start, stop = job
+    w = _WORK
+    idx, names, s = w["source"].splits[split], w["source"].names[split], w["settings"]
+    d = w["out"] / split
+    path = d / shard_name(number)
+    tmp = d / f".{path.name}.tmp"
+    samples, sources, skipped = [], [], []
+    try:
+        with open(tmp, "wb") as f:
+            hf = _Hashing(f)
+            with tarfile.open(fileobj=hf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                for i in range(start, stop):
+                    src = idx.images[i] if idx.images is not None else idx.paths[i]
+                    try:
+                        data = encode(src, s.max_side, s.quality)
+                    except Exception as e:  # noqa: BLE001 - any decoder failure is a corrupt source
+                        skipped.append([names[i], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")])
+                        if not w["skip_corrupt"]:
+                            break
+                        continue
+                    key, label = sample_key(i), int(idx.labels[i])
+                    offset = _member(tar, f"{key}.jpg", data)
+                    _member(tar, f"{key}.cls", f"{label}".encode())
+                    samples.append([i, label, offset, len(data)])
+                    sources.append(names[i])
+            if skipped and not w["skip_corrupt"]:
+                raise CorruptSource()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except CorruptSource:
+        tmp.unlink(missing_ok=True)
+        return {"corrupt": skipped}
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    side = {"name": path.name, "bytes": hf.n, "sha256": hf.h.hexdigest(), "samples": samples,
+            "sources": sources, "skipped": skipped}
+    _write_atomic(d / f"{path.name}.json", json.dumps(side).encode())
+    return side
+
+
+def _finished(out: Path, split: str, number: int) -> dict | None:
+    """A shard's sidecar where the shard is there and matches it (size and SHA-256)."""
+    path = out / split / shard_name(number)
+    try:
+        side = json.loads((path.parent / f"{path.name}.json").read_text())
+        if path.stat().st_size == side["bytes"] and sha256_file(path) == side["sha256"]:
+            return side
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _drop_partial(out: Path) -> None:
+    for split in SPLITS:
+        for tmp in (out / split).glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def check_out(out: Path, manifest: dict) -> None:
+    """``out`` may be used: new or empty, or holding this same preparation (to go on with)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"prepare.out={out} is not a directory")
+    mpath = out / MANIFEST
+    if not mpath.is_file():
+        if any(out.iterdir()):
+            raise ConfigError(f"prepare.out={out} is not empty and holds no tr-prepare output: pick a new or empty dir")
+        return
+    try:
+        there = json.loads(mpath.read_text())
+    except (OSError, ValueError):
+        there = {}
+    diffs = [f"{k} {there.get('settings', {}).get(k)!r} there, {v!r} here" for k, v in manifest["settings"].items()
+             if there.get("settings", {}).get(k) != v]
+    src, src_there = manifest["source"], there.get("source", {})
+    diffs += [f"source {k} {src_there.get(k)!r} there, {v!r} here" for k, v in src.items()
+              if k != "splits" and src_there.get(k) != v]
+    for split, v in src["splits"].items():
+        t = src_there.get("splits", {}).get(split, {})
+        if t != v:
+            diffs.append(f"{split} split {t.get('count')} samples there, {v['count']} here"
+                         + (" (the same count, other files)" if t.get("count") == v["count"] else ""))
+    if diffs:
+        raise ConfigError(f"prepare.out={out} holds another preparation ({'; '.join(diffs)}): "
+                          f"pick another prepare.out, or delete that one")
+
+
+def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrupt: bool,
+            log=print, progress=None) -> dict:
+    """Write (or finish) the preparation of ``data`` in ``out``; returns what was done.
+    ``progress(n)``: called as images are done."""
+    out = Path(out).resolve()
+    source = open_source(data)
+    manifest = {"format": FORMAT, "settings": asdict(settings), "source": source.describe,
+                "classes": source.classes}
+    check_out(out, manifest)
+    for split in SPLITS:
+        (out / split).mkdir(parents=True, exist_ok=True)
+    if not (out / MANIFEST).is_file():
+        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    s = settings.shard_samples
+    jobs = [(split, k, k * s, min((k + 1) * s, len(source.splits[split])))
+            for split in SPLITS for k in range(math.ceil(len(source.splits[split]) / s))]
+    sides, todo = {}, []
+    for job in jobs:
+        side = _finished(out, job[0], job[1])
+        if side is not None:
+            sides[job[:2]] = side
+            if progress:
+                progress(job[3] - job[2])
+        else:
+            todo.append(job)
+    if sides:
+        log(f"prepare: {len(sides)} of {len(jobs)} shards already written and checked; kept")
+    t0, done_images = time.perf_counter(), sum(j[3] - j[2] for j in todo)
+    work = {"source": source, "settings": settings, "out": out, "skip_corrupt": skip_corrupt}
+    _drop_partial(out)  # what a killed run was writing
+    try:
+        if todo:
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ctx.Pool(max(1, min(workers, len(todo))), initializer=_init, initargs=(work,)) as pool:
+                for job, side in zip(todo, pool.imap(_make_shard, todo)):
+                    if "corrupt" in side:
+                        name, why = side["corrupt"][0]
+                        raise ConfigError(f"prepare: cannot decode {name} ({why}); set prepare.skip_corrupt=true "
+                                          f"to skip such files (finished shards are kept: run again to go on)")
+                    for name, why in side["skipped"]:
+                        log(f"prepare: skipped {name}: {why}")
+                    sides[job[:2]] = side
+                    if progress:
+                        progress(job[3] - job[2])
+    finally:
+        _drop_partial(out)  # the shards stopped mid-write (an error, Ctrl-C): never read, not kept
+    seconds = time.perf_counter() - t0
+    return _write_index(out, source, manifest, jobs, sides) | {
+        "images_written": done_images, "seconds": seconds, "workers": workers,
+        "img_per_sec": done_images / seconds if seconds > 0 and done_images else None}
+
+
+def _write_index(out: Path, source: Source, manifest: dict, jobs: list, sides: dict) -> dict:
+    """``<split>.npz`` (where every sample lies), then ``index.json``: the dir is finished."""
+    splits, skipped = {}, {}
+    for split in SPLITS:
+        mine = [sides[j[:2]] for j in jobs if j[0] == split]
+        table = {"shard": [], "number": [], "label": [], "offset": [], "size": [], "source": []}
+        for k, side in enumerate(mine):
+            for (number, label, offset, size), name in zip(side["samples"], side["sources"]):
+                for col, v in zip(("shard", "number", "label", "offset", "size", "source"),
+                                  (k, number, label, offset, size, name)):
+                    table[col].append(v)
+        types = {"shard": np.int32, "number": np.int64, "label": np.int32, "offset": np.int64, "size": np.int64}
+        arrays = {c: np.asarray(v, dtype=types.get(c, str)) for c, v in table.items()}
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        _write_atomic(out / f"{split}.npz", buf.getvalue())
+        skipped[split] = [x for side in mine for x in side["skipped"]]
+        splits[split] = {"count": len(arrays["label"]), "skipped": len(skipped[split]),
+                         "shards": [{"name": sd["name"], "samples": len(sd["samples"]), "bytes": sd["bytes"],
+                                     "sha256": sd["sha256"]} for sd in mine]}
+    index = {"format": FORMAT, "classes": source.classes, "splits": splits, "settings": manifest["settings"],
+             "source": manifest["source"], "skipped_sources": skipped}
+    _write_atomic(out / INDEX, json.dumps(index, indent=1).encode())
+    return {"splits": {s: {k: v for k, v in m.items() if k != "shards"} | {"shards": len(m["shards"])}
+                       for s, m in splits.items()}}
