@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = (f"{done['images_written']:,} images written in {done['seconds']:.1f} s: {done['img_per_sec']:,.1f} img/s "
             f"with {n} process{'es' if n != 1 else ''} ({done['img_per_sec'] / n:,.1f} img/s per process)"
             if done["img_per_sec"] else "nothing left to write")
-    parts = ", ".join(f"{s} {m['count']:,} samples in {m['shards']} shards"
+    parts = ", ".join(f"{s} {m['count']:,} samples in {m['shards']} shard{'s' if m['shards'] != 1 else ''}"
                       + (f" ({m['skipped']} skipped)" if m["skipped"] else "") for s, m in done["splits"].items())
     print(f"prepare: {rate}; {parts}; train with data=shards data.root={os.path.abspath(cfg.prepare.out)}", flush=True)
     return 0
