@@ -78,7 +78,8 @@ def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
         if not d.root:
             raise ConfigError("data.root: required for data=shards (a tr-prepare output)")
         from tr_hydra.data.shards import load_shards
-        index, classes = load_shards(d.root, log)
+        parts, classes = load_shards(d.root, log)
+        index = {s: SplitIndex(labels, paths=names, blob=blob) for s, (labels, names, blob) in parts.items()}
         _fewer_classes(classes, d.num_classes, d.root, log, "classes")
     elif d.name == "arrays":
         if not d.path:

@@ -155,8 +155,8 @@ def verify(root: Path, index: dict, log=print, stamps: Path | None = None) -> No
 
 
 def load_shards(root: str | Path, log=print):
-    """({split: SplitIndex}, class names) of a prepared dir, every shard checked."""
-    from tr_hydra.data.index import SplitIndex
+    """({split: (labels, names, blob)}, class names) of a prepared dir, every shard checked:
+    ``SplitIndex``'s labels, ``paths`` (names for messages) and ``blob`` (a sample's bytes)."""
     root = Path(root)
     index = read_index(root)
     verify(root, index, log)
@@ -173,5 +173,5 @@ def load_shards(root: str | Path, log=print):
         if len(table["label"]) != meta["count"]:
             raise ConfigError(f"data.root: {path} lists {len(table['label'])} samples, index.json {meta['count']}")
         samples = _Samples(root, split, [s["name"] for s in meta["shards"]], table)
-        out[split] = SplitIndex(table["label"].astype(np.int32), paths=Names(samples), blob=samples.blob)
+        out[split] = (table["label"].astype(np.int32), Names(samples), samples.blob)
     return out, list(index["classes"])
