@@ -18,12 +18,12 @@ _SWEEP = {"jobs": 0, "failed": []}
 EXIT_JOBS_FAILED = 1  # a sweep ran to its end and some of its jobs failed (2: refused before anything ran)
 
 
-def _is_multirun(argv: list[str]) -> bool:
-    """-m, or a config that sets hydra.mode=MULTIRUN (as a search config may)."""
+def _is_multirun(argv: list[str], composed) -> bool:
+    """-m, or a config that sets hydra.mode=MULTIRUN (as a search config may); ``composed``:
+    ``_composed(argv)``."""
     if any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv):
         return True
-    h = _hydra_cfg(argv)
-    return h is not None and str(h.mode) == "RunMode.MULTIRUN"
+    return composed is not None and str(composed.hydra.mode) == "RunMode.MULTIRUN"
 
 
 def _fixed(argv: list[str]) -> list[str]:
@@ -37,10 +37,11 @@ def _fixed(argv: list[str]) -> list[str]:
     return [o.input_line for o in parsed if not o.is_sweep_override()]
 
 
-def _hydra_cfg(argv: list[str]):
-    """The hydra node as the fixed overrides compose it; None where they do not."""
+def _composed(argv: list[str]):
+    """The config, hydra node included, as the fixed overrides compose it; None where they do
+    not (Hydra, or the checks before it, say why)."""
     try:
-        return compose(_fixed(argv), return_hydra_config=True).hydra
+        return compose(_fixed(argv), return_hydra_config=True)
     except Exception:  # noqa: BLE001 - Hydra itself reports what does not compose
         return None
 
@@ -54,12 +55,14 @@ def _all_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-") and "=" in a]
 
 
-def _hydra_dirs(argv: list[str]):
-    """(hydra.run.dir, hydra.sweep.dir) as Hydra will resolve them; None where they do not compose."""
+def _hydra_dirs(composed):
+    """(hydra.run.dir, hydra.sweep.dir) of a config composed with its hydra node, as Hydra will
+    resolve them; None where it did not compose."""
+    if composed is None:
+        return None, None
     try:
-        h = compose(_all_overrides(argv), return_hydra_config=True).hydra
-        return str(h.run.dir), str(h.sweep.dir)
-    except Exception:  # noqa: BLE001 - Hydra itself reports what does not compose
+        return str(composed.hydra.run.dir), str(composed.hydra.sweep.dir)
+    except Exception:  # noqa: BLE001 - Hydra itself reports what does not resolve
         return None, None
 
 
@@ -71,16 +74,16 @@ def _sweep_jobs(argv: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool) -> None:
+def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) -> None:
     """What Hydra would report as a multi-line error or a traceback, as one line (exit 2),
     before anything is written: the config of the run (or every job of a sweep), the run or
-    sweep dir (writable, not holding another run's results)."""
+    sweep dir (writable, not holding another run's results). ``composed``: ``_composed(argv)``."""
     from tr_hydra.config.plan_config import plan_config_from
     with user_errors("tr-train"):
         check_plugins(_all_overrides(argv))
         if not multirun:
             pc = plan_config_from(compose(_overrides(argv)))
-            run_dir, _ = _hydra_dirs(argv)
+            run_dir, _ = _hydra_dirs(composed)
             if rank0 and run_dir is not None:
                 check_writable("hydra.run.dir", run_dir)
                 check_run_dir("hydra.run.dir", run_dir, pc)
@@ -89,16 +92,17 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool) -> None:
         # key and value); the checks of each job's values are its own (a failed job is a row).
         # A search sweeper picks its jobs' values itself: what is fixed composes, and the
         # sweeper must seek the objective's best, not its worst
-        fixed = compose(_fixed(argv), return_hydra_config=True)
+        fixed = composed if composed is not None else compose(_fixed(argv), return_hydra_config=True)
         if search_sweeper(fixed.hydra):
             from tr_hydra.config.objective import check_sweeper_direction
             check_sweeper_direction(fixed.trainer.objective, fixed.hydra.sweeper.get("direction"))
             jobs = [_fixed(argv)]
+            _, sweep_dir = _hydra_dirs(fixed)
         else:
             jobs = _sweep_jobs(argv)
             for job in jobs:
                 compose(_overrides(job))
-        _, sweep_dir = _hydra_dirs(jobs[0] if jobs else argv)
+            _, sweep_dir = _hydra_dirs(_composed(jobs[0]) if jobs else fixed)
         if rank0 and sweep_dir is not None:
             check_writable("hydra.sweep.dir", sweep_dir)
             jobs_there = Path(sweep_dir).iterdir() if Path(sweep_dir).is_dir() else ()
@@ -187,7 +191,7 @@ def run(cfg) -> float:
             failed.write_text(reason + "\n")
         except OSError as w:
             print(f"tr-train: {failed} not written: {w.strerror}", file=sys.stderr, flush=True)
-        if str(hc.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        if not search_sweeper(hc):
             return float("nan")
         raise TrialFailed(f"job {hc.job.num}: {reason}") from None
 
@@ -267,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = _rank_overrides()
     argv = _expand_rerun(argv) + rank
-    multirun = _is_multirun(argv)
+    composed = _composed(argv)
+    multirun = _is_multirun(argv, composed)
     if not any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):  # not --help, --cfg, ...
-        _check_before_hydra(argv, multirun, rank0=not rank)
+        _check_before_hydra(argv, multirun, rank0=not rank, composed=composed)
     import hydra
     task = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(run)
     sys.argv = [sys.argv[0]] + argv
