@@ -149,7 +149,7 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
     decode-only rate), then the training."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
     t0 = time.perf_counter()
-    p, classes, n = _dali_pipe(root, batch, res, device, hw_decoder_load, shards)
+    p, classes = _dali_pipe(root, batch, res, device, hw_decoder_load, shards)
     it = DALIGenericIterator([p], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                              auto_reset=True)
     decode = _decode_rate(it, device, shards is not None)
@@ -165,14 +165,13 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
 
 
 def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards: str | None):
-    """(pipeline, classes, train images): DALI's usual training pipeline over the folder or the shards."""
+    """(pipeline, classes): DALI's usual training pipeline over the folder or the shards."""
     import json
     from nvidia.dali import fn, pipeline_def, types
     gpu = device.type == "cuda"
     if shards is None:
         train = Path(root) / "train"
         classes = sorted(p.name for p in train.iterdir() if p.is_dir())
-        n = sum(1 for p in train.rglob("*") if p.is_file())
     else:
         index = json.loads((Path(shards) / "index.json").read_text())
         classes, n = index["classes"], index["splits"]["train"]["count"]
@@ -197,7 +196,7 @@ def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards:
         return img, (label.gpu() if gpu and shards is None else label)
     p = pipe()
     p.build()
-    return p, len(classes), n
+    return p, len(classes)
 
 
 def _labels(y, text: bool, device) -> torch.Tensor:
