@@ -140,7 +140,7 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path, monkeypatch):
         if stat.S_ISREG(os.fstat(fd).st_mode):  # a file, not the directory's rename fsync
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd)
-    monkeypatch.setattr(ck.os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", full)
     cases = [(lambda: tr.save_checkpoint(1, 2, []), "checkpoint", tmp_path / "checkpoints" / "ckpt_e0001_s00000002.pt"),
              (tr.save_final, "weights", tmp_path / "model_final.pt"),
              (lambda: tr.write_metrics([]), "metrics", tmp_path / "metrics.json")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,7 @@ def test_crash_while_writing_keeps_previous_checkpoint(tmp_path, monkeypatch):
     first = ck.checkpoints_in(tmp_path)[0]
     def crash(*a, **k):
         raise KeyboardInterrupt("killed before the rename")
-    monkeypatch.setattr(ck.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         tr.save_checkpoint(2, 4, [])
     monkeypatch.undo()

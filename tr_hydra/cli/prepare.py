@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors("tr-prepare"):
         cfg = compose(argv)
         settings, workers = _checked(cfg.prepare)
-        total = sum(len(s) for s in open_source(cfg.data).splits.values())
-    bar = _Progress(total)
+        source = open_source(cfg.data)  # scanned (and digested) once, for the bar's total and the work
+    bar = _Progress(sum(len(s) for s in source.splits.values()))
     try:
         with user_errors("tr-prepare"):
-            done = prepare(cfg.data, cfg.prepare.out, settings, workers, bool(cfg.prepare.skip_corrupt),
+            done = prepare(source, cfg.prepare.out, settings, workers, bool(cfg.prepare.skip_corrupt),
                            log=lambda m: print(m, flush=True), progress=bar)
     except OSError as e:  # a full or read-only disk: one line naming the path
         fail("tr-prepare", ConfigError(f"prepare.out: {e.filename or cfg.prepare.out}: {e.strerror or e}"))

@@ -27,6 +27,7 @@ import numpy as np
 from tr_hydra.data.index import SplitIndex, load_arrays, scan_imagefolder
 from tr_hydra.data.shards import FORMAT, INDEX, SPLITS, sample_key, sha256_file, shard_name
 from tr_hydra.errors import ConfigError, TrHydraError
+from tr_hydra.files import write_atomic
 
 MANIFEST = "prepare.json"
 
@@ -50,19 +51,6 @@ class Source:
     classes: list[str]
     names: dict[str, list[str]]  # per split: each sample's name for messages
     describe: dict
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def open_source(data) -> Source:
@@ -199,7 +187,7 @@ def _make_shard(job: tuple[str, int, int, int]) -> dict:
         raise
     side = {"name": path.name, "bytes": hf.n, "sha256": hf.h.hexdigest(), "samples": samples,
             "sources": sources, "skipped": skipped}
-    _write_atomic(d / f"{path.name}.json", json.dumps(side).encode())
+    write_atomic(d / f"{path.name}.json", json.dumps(side).encode(), what="prepare")
     return side
 
 
@@ -216,8 +204,9 @@ def _finished(out: Path, split: str, number: int) -> dict | None:
 
 
 def _drop_partial(out: Path) -> None:
+    """The temporary files of shards and sidecars a stopped run was writing (never read)."""
     for split in SPLITS:
-        for tmp in (out / split).glob(".*.tmp"):
+        for tmp in (out / split).glob("*.tmp"):
             tmp.unlink(missing_ok=True)
 
 
@@ -253,17 +242,18 @@ def check_out(out: Path, manifest: dict) -> None:
 
 def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrupt: bool,
             log=print, progress=None) -> dict:
-    """Write (or finish) the preparation of ``data`` in ``out``; returns what was done.
-    ``progress(n)``: called as images are done."""
+    """Write (or finish) the preparation of ``data`` (a data config, or the ``Source`` that
+    ``open_source`` already made of it) in ``out``; returns what was done. ``progress(n)``:
+    called as images are done."""
     out = Path(out).resolve()
-    source = open_source(data)
+    source = data if isinstance(data, Source) else open_source(data)
     manifest = {"format": FORMAT, "settings": asdict(settings), "source": source.describe,
                 "classes": source.classes}
     check_out(out, manifest)
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
     if not (out / MANIFEST).is_file():
-        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode(), what="prepare")
     s = settings.shard_samples
     jobs = [(split, k, k * s, min((k + 1) * s, len(source.splits[split])))
             for split in SPLITS for k in range(math.ceil(len(source.splits[split]) / s))]
@@ -318,13 +308,13 @@ def _write_index(out: Path, source: Source, manifest: dict, jobs: list, sides: d
         arrays = {c: np.asarray(v, dtype=types.get(c, str)) for c, v in table.items()}
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        _write_atomic(out / f"{split}.npz", buf.getvalue())
+        write_atomic(out / f"{split}.npz", buf.getvalue(), what="prepare")
         skipped[split] = [x for side in mine for x in side["skipped"]]
         splits[split] = {"count": len(arrays["label"]), "skipped": len(skipped[split]),
                          "shards": [{"name": sd["name"], "samples": len(sd["samples"]), "bytes": sd["bytes"],
                                      "sha256": sd["sha256"]} for sd in mine]}
     index = {"format": FORMAT, "classes": source.classes, "splits": splits, "settings": manifest["settings"],
              "source": manifest["source"], "skipped_sources": skipped}
-    _write_atomic(out / INDEX, json.dumps(index, indent=1).encode())
+    write_atomic(out / INDEX, json.dumps(index, indent=1).encode(), what="prepare")
     return {"splits": {s: {k: v for k, v in m.items() if k != "shards"} | {"shards": len(m["shards"])}
                        for s, m in splits.items()}}

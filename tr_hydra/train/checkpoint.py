@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tr_hydra.errors import TrHydraError, disk_error
+from tr_hydra.files import write_atomic  # the trainer writes metrics.json through it too (ck.write_atomic)
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.regions import ALL_REGIONS, Region
 
@@ -72,34 +72,6 @@ def _saved(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def write_atomic(path: Path, *parts: bytes, what: str = "checkpoint") -> Path:
-    """``parts`` written to a temporary name, fsynced and renamed over ``path``: a reader, or
-    a crash, sees the old file or the new one, never half of one. A write that fails removes
-    the temporary file and raises ``DiskError("<what>: cannot write <path>: <cause>")``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # a read-only directory: the open failed, so there is no temporary file
-        raise disk_error(what, path, e) from None
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    except OSError:
-        pass
-    return path
 
 
 def atomic_save(obj, path: Path, what: str = "weights") -> Path:
