@@ -209,19 +209,20 @@ def test_tr_bench_end_to_end_on_a_jpeg_folder_on_cpu(tmp_path):
             d.mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(d / f"{i}.jpg")
     out = run("tr-bench", "recipe=cpu_smoke", f"bench.data={tmp_path / 'jpegs'}", "bench.warmup=2",
-              "bench.modes=[tr,dl-compile,tr-shards,dali-compile,dali-shards-compile]", "variants.batch_size=8",
+              "bench.modes=[tr,dl-compile,tr-shards,tr-synthetic,dali-compile,dali-shards-compile]", "variants.batch_size=8",
               "variants.base_res=16",
               "variants.val_res=16", "bench.profile=true", "bench.steps=3", f"bench.out={tmp_path / 'e.json'}",
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "e.json").read_text())
-    assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile", "tr-shards", "dali-compile",
+    assert [m["mode"] for m in res["modes"]] == ["tr", "dl-compile", "tr-shards", "tr-synthetic", "dali-compile",
                                                  "dali-shards-compile"] and res["train_images"] == 40
     # the shards: prepared from the folder on first use (tr-prepare's defaults), every image in them
     index = json.loads((tmp_path / "jpegs" / "shards" / "index.json").read_text())
     assert res["shards"] == str(tmp_path / "jpegs" / "shards") and index["splits"]["train"]["count"] == 40
     by = {m["mode"]: m for m in res["modes"]}
-    assert by["tr-shards"]["images"] == by["tr"]["images"] == 40 - 2 * 8 + 40
+    assert by["tr-shards"]["images"] == by["tr"]["images"] == by["tr-synthetic"]["images"] == 40 - 2 * 8 + 40
+    assert "decode_img_per_sec" not in by["tr-synthetic"]  # no input pipeline to time alone
     for m in ("tr", "tr-shards", "dali-compile", "dali-shards-compile"):  # the input alone, no step
         assert by[m]["decode_img_per_sec"] > 0 and by[m]["img_per_sec"] > 0
     assert "decode_img_per_sec" not in by["dl-compile"] and "decode only" in out.stdout

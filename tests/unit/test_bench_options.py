@@ -93,7 +93,7 @@ def test_the_modes_and_their_one_line_errors():
             pick_modes([gone], CPU)
     with pytest.raises(ConfigError, match=r"unknown \['reduce-overhead'\] with bench.data"):
         pick_modes(["reduce-overhead"], CPU, e2e=True)
-    assert pick_modes("auto", CPU, e2e=True) == ["tr", "tr-shards", "dl-compile"]
+    assert pick_modes("auto", CPU, e2e=True) == ["tr", "tr-shards", "tr-synthetic", "dl-compile"]
     assert mix_modes(None, CPU) == ["tr", "eager"]
     with pytest.raises(ConfigError, match="bench.epoch_mix_modes: unknown"):
         mix_modes(["turbo"], CPU)

@@ -34,6 +34,10 @@ def end_to_end(pc, b, device) -> dict:
             mpc = fpc if m == "tr" else shards_config(fpc, shards)
             r = e2e_tr(mpc, warm_steps=b.warmup, profile_steps=b.steps if b.profile else 0, name=m)
             r["decode_img_per_sec"] = decode_only(mpc, device)
+        elif m == "tr-synthetic":  # the same plan and epochs, the images already in host memory
+            spc = dataclasses.replace(fpc, data=dataclasses.replace(pc.data, name="synthetic",
+                                                                     num_classes=fpc.model.num_classes))
+            r = e2e_tr(spc, warm_steps=b.warmup, name=m)
         elif m in ("dali-compile", "dali-shards-compile"):
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
                                  hw_decoder_load=fpc.data.hw_decoder_load, options=options,
@@ -213,7 +217,7 @@ def e2e_table(records: list[dict]) -> str:
         lines.append(f"{r['mode']:<20} {r['img_per_sec']:>10,.1f} {ratio:>11} {dec:>12} {r['first_step_seconds']:>13.1f} "
                      f"{parts:>24}")
     for r in records:
-        if r["mode"] in ("tr", "tr-shards") and "data_wait_seconds" in r:
+        if r["mode"] in ("tr", "tr-shards", "tr-synthetic") and "data_wait_seconds" in r:
             lines.append(f"{r['mode']} waited {r['data_wait_seconds']:.2f} s of {r['seconds']:.2f} s for batches "
                          f"({r.get('copy_wait_seconds', 0.0):.2f} s of it for the device to take the previous one, "
                          f"{r['epoch_switch_wait_seconds']:.2f} s at the start of epoch 1; epoch 1's first batch "

@@ -20,8 +20,9 @@ from tr_hydra.runtime.schedule import epoch_schedule, lr_at
 
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
 TR_MODES = ("tr", "tr-inductor", "tr-recompute")
-# end to end (bench.data): on the folder, and on shards tr-prepare wrote from it (<bench.data>/shards)
-E2E_MODES = ("tr", "tr-shards", "dali-compile", "dali-shards-compile", "dl-compile")
+# end to end (bench.data): on the folder, on shards tr-prepare wrote from it (<bench.data>/shards), and
+# tr-synthetic: the same epochs on synthetic data already in host memory (the step's own ceiling)
+E2E_MODES = ("tr", "tr-shards", "tr-synthetic", "dali-compile", "dali-shards-compile", "dl-compile")
 
 
 def as_list(spec) -> list[str]:
@@ -35,7 +36,7 @@ def pick_modes(spec, device, e2e: bool = False) -> list[str]:
     known = E2E_MODES if e2e else PYTORCH_MODES + TR_MODES
     if spec == "auto":
         if e2e:
-            return list(E2E_MODES) if device.type == "cuda" else ["tr", "tr-shards", "dl-compile"]
+            return list(E2E_MODES) if device.type == "cuda" else ["tr", "tr-shards", "tr-synthetic", "dl-compile"]
         return ["eager", "compile", "reduce-overhead", "tr", "tr-inductor"] if device.type == "cuda" else ["eager", "tr"]
     modes = as_list(spec)
     bad = [m for m in modes if m not in known]
