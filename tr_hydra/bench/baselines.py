@@ -185,6 +185,7 @@ def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards:
         else:  # webdataset: shards read in turn through a shuffle buffer
             enc, label = fn.readers.webdataset(paths=tars, ext=["jpg", "cls"], random_shuffle=True,
                                                initial_fill=min(4096, n), name="Reader")
+            label = fn.pad(label, fill_value=0)  # ASCII of any length: zero-padded to the batch's longest
         # data.hw_decoder_load, when set, applies to this pipeline as to tr_hydra's
         hw = {} if hw_decoder_load is None or not gpu else {"hw_decoder_load": hw_decoder_load}
         # decode only the random crop's region, then resize (DALI's own ResNet-50 training recipe)
@@ -203,7 +204,7 @@ def _labels(y, text: bool, device) -> torch.Tensor:
     """The batch's labels: the file reader's ints, or the ASCII text of webdataset's ``.cls``."""
     if not text:
         return y.view(-1).long()
-    return torch.tensor([int(bytes(v.tolist()).decode()) for v in y.cpu()], device=device)
+    return torch.tensor([int(bytes(v.tolist()).rstrip(b"\0").decode()) for v in y.cpu()], device=device)
 
 
 def _decode_rate(it, device, text_labels: bool) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from tr_hydra.bench.baselines import e2e_dali_compile, e2e_dataloader_compile
 from tr_hydra.bench.modes import lr_of, pick_modes, ready_runtime
-from tr_hydra.bench.report import kernel_profile
+from tr_hydra.bench.report import kernel_profile, write_json
 from tr_hydra.bench.timing import Marks, epoch_rates, sync
 from tr_hydra.runtime.schedule import epoch_schedule
 
@@ -29,6 +30,9 @@ def end_to_end(pc, b, device) -> dict:
     v = fpc.variant("train_base")
     options = dict(fpc.runtime.inductor_options)
     records = []
+    out = {"config": fpc.describe(), "runtime": dataclasses.asdict(fpc.runtime), "device": str(device),
+           "data": b.data, "shards": str(shards) if shards else None, "train_images": fpc.train_size,
+           "batch": v.batch, "res": v.res, "modes": records}
     for m in modes:
         if m in ("tr", "tr-shards"):
             mpc = fpc if m == "tr" else shards_config(fpc, shards)
@@ -47,12 +51,12 @@ def end_to_end(pc, b, device) -> dict:
                                        warm_steps=b.warmup, options=options)
         r["mode"] = m
         records.append(r)
+        print(f"tr-bench: {m} {r['img_per_sec']:,.1f} img/s", file=sys.stderr, flush=True)
+        write_json(out, b.out, quiet=True)  # what is measured so far survives a later mode's failure
         sync(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"config": fpc.describe(), "runtime": dataclasses.asdict(fpc.runtime), "device": str(device),
-            "data": b.data, "shards": str(shards) if shards else None, "train_images": fpc.train_size,
-            "batch": v.batch, "res": v.res, "modes": records}
+    return out
 
 
 def ensure_shards(root: str) -> Path:
