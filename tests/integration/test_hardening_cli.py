@@ -162,9 +162,9 @@ def test_plus_into_a_free_form_map_is_kept():
     from tr_hydra.config.plan_config import plan_config_from
     pc = plan_config_from(compose(["+runtime.inductor_options.max_autotune=true"]))
     assert pc.runtime.inductor_options == (("max_autotune", True),)
-    pc = plan_config_from(compose(["runtime.inductor_options={coordinate_descent_tuning:true}",
+    pc = plan_config_from(compose(["runtime.inductor_options={benchmark_fusion:true}",
                                    "+runtime.inductor_options.max_autotune=false"]))
-    assert dict(pc.runtime.inductor_options) == {"coordinate_descent_tuning": True, "max_autotune": False}
+    assert dict(pc.runtime.inductor_options) == {"benchmark_fusion": True, "max_autotune": False}
 
 
 def test_plus_unknown_key_on_the_command_line_is_one_line(tmp_path):

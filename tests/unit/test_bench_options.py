@@ -242,9 +242,9 @@ def test_the_settings_lines_say_where_tr_hydras_model_computes_differently():
                for ln in cuda)
     amp = report.settings_lines(dataclasses.replace(pc, amp=True), "cuda")
     assert any("its input zero-padded to a multiple of 8 channels (16-bit autocast)" in ln for ln in amp), amp
-    opts = report.settings_lines(_pc("+runtime.inductor_options={coordinate_descent_tuning: true}"), "cpu")
+    opts = report.settings_lines(_pc("+runtime.inductor_options={max_autotune: true}"), "cpu")
     line = ("Inductor options (runtime.inductor_options), for tr_hydra and every torch.compile mode alike: "
-            "coordinate_descent_tuning=True")
+            "max_autotune=True")
     assert opts == [line]
     assert not any(w in ln for ln in amp for w in ("compile_gc", "cudnn_benchmark_limit", "stem_channels",
                                                     "runtime.maxpool"))

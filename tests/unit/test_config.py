@@ -52,6 +52,8 @@ def test_top_level_booleans_and_interpolated_classes():
     ("variants.batch_size=100000", "training set size"),
     ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
     ("runtime.recompute=all", "expected one of [none, pointwise]"),
+    ("runtime.tuning=some", "expected one of [auto, none, full]"),
+    ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
     # options that measured no gain are gone: the usual unknown-key line
     ("runtime.compile_gc=python", "Key 'compile_gc' not in 'RuntimeConfig'"),
     ("runtime.backward_streams=2", "Key 'backward_streams' not in 'RuntimeConfig'"),
@@ -117,7 +119,7 @@ def test_rerun_of_a_config_saved_with_options_since_removed_drops_them_and_says_
     (tmp_path / ".hydra").mkdir()
     cfg = {"model": {"name": "resnet_mini", "width": 8},
            "runtime": {"compile": "none", "stem": "conv", "compile_gc": "deferred",
-                       "inductor_options": {"coordinate_descent_tuning": True}},
+                       "inductor_options": {"max_autotune": True}},
            "variants": {"batch_size": 32, "pad_last_val": False}, "seed": 5}
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     got = rerun_overrides(tmp_path)
@@ -126,9 +128,29 @@ def test_rerun_of_a_config_saved_with_options_since_removed_drops_them_and_says_
                                                        "variants.pad_last_val")), err
     assert not any(k in o for o in got for k in ("stem", "compile_gc", "pad_last_val")), got
     assert {"model.width=8", "runtime.compile='none'", "variants.batch_size=32", "seed=5",
-            "runtime.inductor_options={coordinate_descent_tuning:true}"} <= set(got), got
+            "runtime.inductor_options={max_autotune:true}",
+            "runtime.tuning='none'"} <= set(got), got  # saved before runtime.tuning: it did not tune
     pc = plan_config_from(compose(got))
-    assert pc.model.width == 8 and pc.seed == 5 and pc.runtime.inductor_options == (("coordinate_descent_tuning", True),)
+    assert pc.model.width == 8 and pc.seed == 5 and pc.runtime.inductor_options == (("max_autotune", True),)
+    assert pc.runtime.tuning == "none"
+
+
+def test_rerun_of_a_run_that_asked_for_coordinate_descent_tunes_again(tmp_path, capsys):
+    """Saved before runtime.tuning: coordinate descent through runtime.inductor_options is
+    runtime.tuning=full now (the map is left without it), said on one line."""
+    import yaml
+
+    from tr_hydra.cli.rerun import rerun_overrides
+    (tmp_path / ".hydra").mkdir()
+    cfg = {"runtime": {"inductor_options": {"coordinate_descent_tuning": True}}, "seed": 5}
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--rerun: runtime.inductor_options.coordinate_descent_tuning is runtime.tuning=full now"]
+    pc = plan_config_from(compose(got))
+    assert pc.runtime.tuning == "full" and pc.runtime.inductor_options == ()
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"runtime": {"tuning": "auto"}}))
+    assert "runtime.tuning='auto'" in rerun_overrides(tmp_path)  # saved with it: as saved
 
 
 def test_the_runtime_yaml_holds_every_schema_option_with_its_default_and_a_doc():
@@ -155,10 +177,10 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
     (nested maps dotted); an unknown name, a wrong type or an option the runtime owns is a
     one-line ConfigError naming the key."""
     import torch._inductor.config as ic
-    pc = plan_config_from(compose(["runtime.inductor_options={coordinate_descent_tuning:true,"
+    pc = plan_config_from(compose(["runtime.inductor_options={max_autotune:true,"
                                    "triton:{persistent_reductions:false},max_autotune_gemm_backends:ATEN}"]))
     opts = pc.runtime.inductor_options
-    assert opts == (("coordinate_descent_tuning", True), ("max_autotune_gemm_backends", "ATEN"),
+    assert opts == (("max_autotune", True), ("max_autotune_gemm_backends", "ATEN"),
                     ("triton.persistent_reductions", False))
     assert all(name in ic.get_config_copy() for name, _ in opts)
     assert hash(pc.runtime) == hash(pc.runtime)  # the spec stays hashable
@@ -168,7 +190,8 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
     for override, needle in [
         ("runtime.inductor_options={coordinate_descent_tunning:true}", "not an Inductor option"),
         ("runtime.inductor_options={persistent_reductions:false}", "did you mean triton.persistent_reductions"),
-        ("runtime.inductor_options={coordinate_descent_tuning:3}", "expects bool, got 3"),
+        ("runtime.inductor_options={max_autotune:3}", "expects bool, got 3"),
+        ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
         ("runtime.inductor_options={max_autotune_gemm_backends:true}", "expects str"),
         ("runtime.inductor_options={triton:{cudagraphs:true}}", "captures the whole step"),
         ("runtime.inductor_options={triton:{multi_kernel:1}}", "1 not supported: .*loading compiled kernels"),

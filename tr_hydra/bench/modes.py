@@ -18,7 +18,8 @@ from tr_hydra.errors import ConfigError
 from tr_hydra.runtime.build import Runtime
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at
 
-PYTORCH_MODES = ("eager", "compile", "reduce-overhead")
+# reduce-overhead-tuned: with Inductor's coordinate descent too (tr_hydra's runtime.tuning=full)
+PYTORCH_MODES = ("eager", "compile", "reduce-overhead", "reduce-overhead-tuned")
 TR_MODES = ("tr", "tr-inductor", "tr-recompute")
 # end to end (bench.data): on the folder, on shards tr-prepare wrote from it (<bench.data>/shards), and
 # tr-synthetic: the same epochs on synthetic data already in host memory (the step's own ceiling)
@@ -136,8 +137,10 @@ class Mode:
         self.batch = v.batch
         self.rt = self.startup = None
         if name in PYTORCH_MODES:
-            self.step = pytorch_runner(pc.model.name, v.batch, v.res, pc.model.num_classes, name, device, pc.amp,
-                                       options=dict(pc.runtime.inductor_options))
+            tuned = name.endswith("-tuned")
+            options = dict(pc.runtime.inductor_options) | ({"coordinate_descent_tuning": True} if tuned else {})
+            self.step = pytorch_runner(pc.model.name, v.batch, v.res, pc.model.num_classes,
+                                       name.removesuffix("-tuned"), device, pc.amp, options=options)
         else:
             tpc = dataclasses.replace(pc, runtime=tr_runtime(name, pc.runtime))
             self.rt, self.startup, _, _ = ready_runtime(tpc, runtime_log())
@@ -204,6 +207,8 @@ class Mode:
                "memory": self.memory}
         if self.startup is not None:  # tr_hydra's start-up (cuDNN's search, compiles, capture)
             out["startup"] = self.startup.to_json()
+        if self.rt is not None:  # runtime.tuning as chosen for the plan, and why
+            out["tuning"] = self.rt.compiled.tuning.to_json()
         if self.other_times:
             key = "img_per_sec_ab_schedule" if self.single_buffer else "img_per_sec_single_buffer"
             out[key + "_median"] = statistics.median(self.other_times)

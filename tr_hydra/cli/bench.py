@@ -96,6 +96,9 @@ def _steps(argv: list[str], pc, b, device) -> dict | int:
            "modes": records}
     if records:  # before the profile and the epoch mix, which take minutes
         print(table(records), flush=True)
+        for m in built:
+            if m.rt is not None:
+                print(f"{m.name}: {m.rt.compiled.tuning.describe()}")
     if b.profile:
         out["profile"] = [profile_mode(m) for m in built]
         print(profile_table(out["profile"]))

@@ -54,7 +54,8 @@ def plan_table(compiled) -> str:
               f"gradients returned by the backward, before their copy into the arena: "
               f"{_mib(compiled.gradient_transient)}",
               f"BLAS workspaces (cuBLAS and cuBLASLt, one stream): {_mib(compiled.library_workspace)}",
-              f"predicted device need: {_mib(compiled.predicted_need)}", "",
+              f"predicted device need: {_mib(compiled.predicted_need)}",
+              compiled.tuning.describe(), "",
               compiled.program.describe()]
     return "\n".join(lines)
 
@@ -68,6 +69,7 @@ def plan_json(compiled) -> dict:
         "gradient_transient_bytes": compiled.gradient_transient,
         "library_workspace_bytes": compiled.library_workspace,
         "predicted_need_bytes": compiled.predicted_need,
+        "tuning": compiled.tuning.to_json(),
         "regions": [{"index": int(r), "name": r.name, "base_offset": plan.region_base[r],
                      "total_bytes": plan.region_size[r], "series": series_of(r),
                      "on": plan.shared[r].name if r in plan.shared else None,

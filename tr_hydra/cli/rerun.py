@@ -65,6 +65,23 @@ def _overrides(config: dict, schema, prefix: str = "") -> tuple[list[str], list[
     return out, gone
 
 
+def _tuning_of_older_runs(config: dict) -> None:
+    """A config saved before ``runtime.tuning`` existed: its runs tuned only where
+    ``runtime.inductor_options`` asked for coordinate descent, which ``runtime.tuning`` now
+    decides (``full`` or ``none``: the rerun compiles as the original did)."""
+    rt = config.get("runtime")
+    if not isinstance(rt, dict) or "tuning" in rt:
+        return
+    opts = rt.get("inductor_options")
+    asked = opts.pop("coordinate_descent_tuning", False) if isinstance(opts, dict) else False
+    rt["tuning"] = "full" if asked else "none"
+    if isinstance(opts, dict) and not opts:
+        rt["inductor_options"] = None
+    if asked:
+        print("--rerun: runtime.inductor_options.coordinate_descent_tuning is runtime.tuning=full now",
+              file=sys.stderr)
+
+
 def rerun_overrides(run_dir: str | Path) -> list[str]:
     import yaml
     hydra_dir = Path(run_dir) / ".hydra"
@@ -72,7 +89,9 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
     if not cfg_path.is_file():
         raise ConfigError(f"--rerun: {cfg_path} not found (is {run_dir} a tr-train run dir?)")
     from tr_hydra.config.schema import Config
-    overrides, gone = _overrides(yaml.safe_load(cfg_path.read_text()) or {}, Config)
+    config = yaml.safe_load(cfg_path.read_text()) or {}
+    _tuning_of_older_runs(config)
+    overrides, gone = _overrides(config, Config)
     if gone:
         print(f"--rerun: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer "
               f"{'an option' if len(gone) == 1 else 'options'} (what they chose is fixed now); dropped",

@@ -35,6 +35,7 @@ class Compiled:
     shapes: dict[str, ShapeReport]
     compute_dtype: torch.dtype
     program: "object" = field(default=None)
+    tuning: "object" = field(default=None)  # compiler.tuning.TuningChoice: runtime.tuning resolved
 
     @property
     def activation_estimate(self) -> int:
@@ -147,10 +148,12 @@ def recomputes_pointwise(pc: PlanConfig) -> bool:
 def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     """Everything decided before the first step: runs on the meta device, needs no GPU.
     ``fused``: whether the run will use the fused kernels (see ``fused_update_reads_16bit``)."""
+    from tr_hydra.compiler import tuning
     from tr_hydra.compiler.program import build_program
 
     meta_model = instantiate_model(pc, "meta")
     model_map = map_model(meta_model, pc.data.channels)
+    pc, choice = tuning.resolve(pc, meta_model)  # every process of the run compiles as chosen here
     plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
@@ -160,6 +163,6 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc))
               for v in pc.variants}
-    compiled = Compiled(pc, model_map, plan, shapes, dt)
+    compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice)
     compiled.program = build_program(compiled)
     return compiled

@@ -152,7 +152,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 # options that would undo what the runtime does itself: it captures the whole step as a CUDA
 # graph (Inductor's own graphs inside it would be captured twice)
-_OWNED_OPTIONS = {"triton.cudagraphs": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
+_OWNED_OPTIONS = {"coordinate_descent_tuning": "runtime.tuning decides it (auto, none or full)",
+                  "triton.cudagraphs": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)",
                   "triton.cudagraph_trees": "tr_hydra captures the whole step as a CUDA graph itself (runtime.cuda_graph)"}
 
 # values that PyTorch accepts but that break a run here: (refused when, why)

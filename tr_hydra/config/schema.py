@@ -79,6 +79,12 @@ class Kernels(enum.Enum):
 
 
 
+class Tuning(enum.Enum):
+    auto = "auto"   # coordinate descent when the run is long enough to pay for it (compiler/tuning.py)
+    none = "none"
+    full = "full"
+
+
 class Recompute(enum.Enum):
     none = "none"            # the partitioner's default: BatchNorm+ReLU outputs saved for the backward
     pointwise = "pointwise"  # pointwise results recomputed in the backward (less activation memory)
@@ -188,6 +194,7 @@ class RuntimeConfig:
     precompile: Any = "auto"         # auto | a count | 0
     saved_store_gb: float = 4.0      # 0: no store
     recompute: Recompute = Recompute.none
+    tuning: Tuning = Tuning.auto
     inductor_options: Any = None     # a map, as torch.compile(options=...)
 
 

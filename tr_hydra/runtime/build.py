@@ -10,6 +10,7 @@ import time
 import torch
 
 from tr_hydra.compiler.compile import Compiled, compile_plan, instantiate_model
+from tr_hydra.compiler.tuning import inductor_map
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.arena import ArenaKeeper
@@ -63,6 +64,8 @@ class Runtime:
         set_determinism(pc)
         self.compiled: Compiled = compile_plan(
             pc, fused=fused_kernels(pc.runtime.kernels, self.device.type) is not None)
+        # runtime.tuning as chosen (full or none): what every process of the run compiles with
+        self.pc = pc = self.compiled.config
         distributed.check_same_plan(self.dist, pc.fingerprint(), pc.describe())
         torch.manual_seed(pc.seed)
         model = instantiate_model(pc, "cpu")
@@ -101,7 +104,8 @@ class Runtime:
         from tr_hydra.runtime.recompute import fresh_compile_for, with_recompute
         pc = self.pc
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # one per variant and mode
-        options = dict(pc.runtime.inductor_options)
+        options = inductor_map(pc.runtime)
+        self.log(self.compiled.tuning.describe())
         fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
         # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
         # whether Dynamo's compiled code for the forward was dropped (compiled before in this

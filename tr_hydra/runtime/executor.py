@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import Compiled
 from tr_hydra.compiler.program import Node
+from tr_hydra.compiler.tuning import inductor_map
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
 from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
@@ -119,8 +120,8 @@ class StepExecutor:
         self.model = model
         self.forward_fn = forward if forward is not None else model
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
-        # (with runtime.inductor_options, as the model's compile)
-        options = dict(compiled.config.runtime.inductor_options)
+        # (with runtime.inductor_options and the tuning chosen, as the model's compile)
+        options = inductor_map(compiled.config.runtime)
         self.compile_options = options
         # a variant's forward (and backward) compiled whole, called in place of ``forward_fn``:
         # loaded from a parallel compile's file or the saved store, or compiled (and, in a

@@ -38,7 +38,10 @@ def start(pc, device: torch.device, log=print) -> Launcher | None:
     if pc.runtime.recompute == "none":  # every variant a child would compile kept by an earlier run: none
         from types import SimpleNamespace
 
+        from tr_hydra.compiler.compile import instantiate_model
+        from tr_hydra.compiler.tuning import resolve
         from tr_hydra.startup.store import KeptCompiles
+        pc, _ = resolve(pc, instantiate_model(pc, "meta"))  # runtime.tuning as the runtime will choose it
         kc = KeptCompiles.open(SimpleNamespace(pc=pc, device=device), lambda *_: None)
         if kc is not None and all(kc.store.find(kc.key(v.name)) for v in pc.variants[1:]):
             return None

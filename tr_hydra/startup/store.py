@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from tr_hydra.compiler.tuning import inductor_map
 from tr_hydra.runtime.saved_compile import FORMAT, SavedForward, load, save
 
 STORE_DIR = "tr_hydra_saved"  # under Inductor's cache directory
@@ -237,7 +238,7 @@ class KeptCompiles:
 
     def key(self, v: str) -> str:
         if v not in self.keys:
-            self.keys[v] = store_key(self.pc, v, self.device, dict(self.pc.runtime.inductor_options), self.digest)
+            self.keys[v] = store_key(self.pc, v, self.device, inductor_map(self.pc.runtime), self.digest)
         return self.keys[v]
 
     def look_up(self, names: list[str]) -> dict[str, str]:

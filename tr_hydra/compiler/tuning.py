@@ -1,0 +1,150 @@
+"""``runtime.tuning``: how much compile effort the run's length pays for.
+
+Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of every
+Triton kernel's block sizes at its first launch and keeps the fastest. On the H200 it makes
+ResNet-50's step 7-10% faster and costs about three minutes more before the first step: worth it
+for an ImageNet run of 37 epochs, a loss for a short one. ``auto`` weighs the two before anything
+compiles:
+
+- the run's steps per variant come from the plan (epochs, the low-resolution epochs, last
+  batches, validation, ``trainer.max_steps``);
+- each step's time is estimated from the model's multiply-adds at the variant's shape (counted on
+  the meta device, a training step as three forwards) at ``STEP_FLOPS_PER_S``;
+- the saving is ``GAIN`` of those seconds; the cost ``TUNE_SECONDS_PER_NORM`` per BatchNorm
+  layer (the kernels that are tuned are mostly BatchNorm's and ReLU's; the variants' children
+  tune side by side, so one variant's figure is the run's).
+
+It tunes when the saving exceeds the cost. The constants are measured on the H200
+(``docs/performance.md``, "Compile effort"). The choice depends on the plan alone, so a rerun of
+the same config chooses the same; tuned kernels are kept in Inductor's cache and in the saved
+store, and a later run of the same plan loads them without tuning again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+# H200, ResNet-50 at batch 256 and 224², bf16: 7,250 img/s x 3 x 8.18 GFLOP (2026-12-03)
+STEP_FLOPS_PER_S = 1.8e14
+# the step time coordinate descent saves: ResNet-50 b256 7,250 -> 7,878-7,891 img/s (8%); the
+# six-variant ImageNet mix 8,520-8,807 -> 9,417 img/s (7-10%); CIFAR ResNet-18 +2.5%
+GAIN = 0.07
+# ResNet-50 (53 BatchNorm layers) alone: first step after 255 s against 57 s (2026-11-30)
+TUNE_SECONDS_PER_NORM = 3.7
+
+
+@dataclass(frozen=True)
+class TuningChoice:
+    tune: bool
+    asked: str                      # runtime.tuning as given: auto | none | full
+    reason: str
+    train_seconds: float | None = None   # estimated seconds of steps over the run
+    saving_seconds: float | None = None
+    cost_seconds: float | None = None
+
+    def describe(self) -> str:
+        what = "coordinate descent on" if self.tune else "no tuning"
+        return f"runtime.tuning={self.asked}: {what} ({self.reason})"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def forward_flops(model: torch.nn.Module, channels: int, res: int) -> int:
+    """FLOPs (two per multiply-add) of one image's forward at ``res``², counted on the meta
+    device by PyTorch's FLOP counter (convolutions and matrix products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    x = torch.empty(1, channels, res, res, device="meta", dtype=next(model.parameters()).dtype)
+    was = model.training
+    model.eval()  # no running-statistics update on the meta device; the FLOPs are the same
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x.contiguous(memory_format=torch.channels_last))
+    finally:
+        model.train(was)
+    return int(counter.get_total_flops())
+
+
+def run_steps(pc) -> dict[str, int]:
+    """Steps of each variant over the whole run, as the trainer takes them: per epoch the full
+    batches of the epoch's resolution and its partial last batch; after each whole epoch that
+    ``trainer.val_every`` names, and after the last, a validation (twice with EMA: the live and
+    the EMA weights); ``trainer.max_steps`` training steps at most."""
+    t = pc.trainer
+    counts: dict[str, int] = {}
+    left = t.max_steps if t.max_steps else None
+    full = pc.train_size // pc.batch_size
+    vb = pc.variant("val_base").batch if pc.has_variant("val_base") else 0
+    passes = 2 if pc.ema else 1
+    for epoch in range(t.epochs):
+        low = epoch < pc.lowres_epochs
+        base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
+        whole = True
+        for name, n in ((base, full), (last, 1 if pc.has_variant(last) else 0)):
+            if left is not None:
+                k = min(n, left)
+                left, whole, n = left - k, whole and k == n, k
+            if n:
+                counts[name] = counts.get(name, 0) + n
+        if whole and vb and ((epoch + 1) % max(t.val_every, 1) == 0 or epoch + 1 == t.epochs):
+            counts["val_base"] = counts.get("val_base", 0) + passes * (pc.val_size // vb)
+            if pc.has_variant("val_last"):
+                counts["val_last"] = counts.get("val_last", 0) + passes
+        if left == 0:
+            break
+    return counts
+
+
+def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], norm_layers: int) -> TuningChoice:
+    """``runtime.tuning`` resolved for a run of ``pc`` on ``device_type`` (``inductor``: whether
+    Inductor compiles the step). ``flops_by_res``: one image's forward FLOPs per resolution."""
+    asked = str(getattr(pc.runtime.tuning, "value", pc.runtime.tuning))
+    if device_type != "cuda" or not inductor:
+        where = "on the CPU" if device_type != "cuda" else "without Inductor (runtime.compile=none)"
+        return TuningChoice(False, asked, f"no Triton kernels to tune {where}")
+    if asked != "auto":
+        return TuningChoice(asked == "full", asked, "as asked")
+    steps = run_steps(pc)
+    seconds = 0.0
+    for v in pc.variants:
+        n = steps.get(v.name, 0)
+        seconds += n * (3 if v.train else 1) * flops_by_res[v.res] * v.batch / STEP_FLOPS_PER_S
+    saving, cost = GAIN * seconds, TUNE_SECONDS_PER_NORM * norm_layers
+    total = sum(steps.values())
+    why = (f"{total:,} steps of about {seconds:,.0f} s in all; {GAIN:.0%} of it saved, {saving:,.0f} s, "
+           f"{'above' if saving > cost else 'below'} the tuning's {cost:,.0f} s; "
+           f"runtime.tuning=full or none to choose")
+    return TuningChoice(saving > cost, asked, why, seconds, saving, cost)
+
+
+def run_device_type(pc) -> str:
+    """The device type a run of ``pc`` will use (``runtime.device=auto``: CUDA where there is one)."""
+    if pc.runtime.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(pc.runtime.device)
+
+
+def resolve(pc, meta_model: torch.nn.Module):
+    """``(pc with runtime.tuning as chosen, the choice)``: ``full`` or ``none``, so that every
+    process of the run (the parallel compiles receive it) compiles, and keys its saved compiles,
+    alike. ``meta_model``: the plan's model on the meta device."""
+    device_type = run_device_type(pc)
+    rt = pc.runtime
+    inductor = rt.compile == "inductor" or (rt.compile == "auto" and device_type == "cuda")
+    counting = device_type == "cuda" and inductor and rt.tuning == "auto"
+    flops = {r: forward_flops(meta_model, pc.data.channels, r) for r in {v.res for v in pc.variants}} if counting else {}
+    norms = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in meta_model.modules())
+    choice = choose(pc, device_type, inductor, flops, norms)
+    tuned = dataclasses.replace(rt, tuning="full" if choice.tune else "none")
+    return dataclasses.replace(pc, runtime=tuned), choice
+
+
+def inductor_map(runtime) -> dict:
+    """The options the step's ``torch.compile`` gets: ``runtime.inductor_options`` and, with
+    ``runtime.tuning=full`` (as chosen), coordinate descent."""
+    options = dict(runtime.inductor_options)
+    if str(getattr(runtime.tuning, "value", runtime.tuning)) == "full":
+        options["coordinate_descent_tuning"] = True
+    return options
