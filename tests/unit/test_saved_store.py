@@ -53,7 +53,7 @@ def _plan(rt, monkeypatch, logs=None):
 
 
 # the runtime options, by whether the compiled code depends on them (a new option must be put in one)
-_KEYED = {"deterministic": True, "kernels": "torch", "recompute": "pointwise",
+_KEYED = {"deterministic": True, "kernels": "torch", "recompute": "pointwise", "tuning": "full",
           "inductor_options": (("max_autotune", True),)}
 _NOT_KEYED = {"device": "cuda", "warmup_steps": 5, "precompile": 3, "saved_store_gb": 0.5}
 # constant wherever the store is used (Inductor with captured graphs: compile auto or inductor,
