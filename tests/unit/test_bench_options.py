@@ -72,6 +72,21 @@ def test_the_pytorch_modes_compile_with_the_options(monkeypatch):
     assert seen == [{"options": opts}]
 
 
+def test_reduce_overhead_tuned_adds_coordinate_descent_to_the_options(monkeypatch):
+    """bench.modes=[reduce-overhead-tuned]: reduce-overhead with runtime.inductor_options and
+    Inductor's coordinate descent, as tr_hydra's runtime.tuning=full compiles."""
+    from tr_hydra.bench.modes import Mode
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    pc = _pc("+runtime.inductor_options={max_autotune: true}", "model=resnet_mini", "variants.batch_size=2",
+             "variants.base_res=16")
+    Mode("reduce-overhead-tuned", pc, CPU, warmup=1)
+    Mode("reduce-overhead", pc, CPU, warmup=1)
+    # reduce-overhead with options: Inductor's CUDA graphs named among them (compile_as)
+    graphs = {"triton.cudagraphs": True, "max_autotune": True}
+    assert seen == [{"options": graphs | {"coordinate_descent_tuning": True}}, {"options": graphs}]
+
+
 def test_tr_runner_steps_a_ready_runtime():
     step8, rt = bench.tr_runner("resnet_mini", 4, 16, 10, "none", CPU, False)
     try:
