@@ -53,6 +53,24 @@ def test_tr_plan_json(tmp_path):
         assert set(d) == {"id", "name", "region", "shape", "dtype", "offset", "slot_bytes"}
 
 
+def test_tr_plan_says_whether_a_cuda_run_would_tune_and_why(tmp_path):
+    """runtime.tuning=auto, planned for CUDA on any machine: the MLPerf recipe's 37 ImageNet epochs
+    tune, two short epochs do not; the line gives the estimate, the JSON its figures; on the CPU
+    there is nothing to tune."""
+    ml = ("recipe=resnet50_imagenet_mlperf", "data=synthetic", "variants.train_size=1281167",
+          "variants.val_size=50000", "runtime.device=cuda")
+    long = run("tr-plan", *ml, cwd=tmp_path)
+    assert long.returncode == 0, long.stderr
+    line = next(ln for ln in long.stdout.splitlines() if ln.startswith("runtime.tuning="))
+    assert line.startswith("runtime.tuning=auto: coordinate descent on (192,437 steps of about "), line
+    short = run("tr-plan", *ml, "trainer.epochs=2", "variants.train_size=16384", "variants.val_size=512",
+                "plan.format=json", cwd=tmp_path)
+    t = json.loads(short.stdout)["tuning"]
+    assert not t["tune"] and t["asked"] == "auto" and 0 < t["saving_seconds"] < t["cost_seconds"], t
+    cpu = run("tr-plan", "runtime.device=cpu", "runtime.tuning=full", cwd=tmp_path)
+    assert "runtime.tuning=full: no tuning (no Triton kernels to tune on the CPU)" in cpu.stdout
+
+
 def test_tr_train_writes_loadable_weights(tmp_path):
     out = run("tr-train", "model=resnet18_cifar", "data.train_size=48", "data.val_size=16",
               "variants.batch_size=16", "variants.val_batch_size=16", "variants.base_res=16",
