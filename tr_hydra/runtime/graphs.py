@@ -14,7 +14,7 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # what this process's compiler did while one variant warmed up, from dynamo's counters: graphs
 # compiled here (Inductor cache misses), graphs loaded from the cache (hits: a parallel child's
 # compile, or an earlier run's), and coordinate-descent benchmarks run here
-# (runtime.inductor_options={coordinate_descent_tuning: true}; none when the tuning was loaded)
+# (runtime.tuning chose coordinate descent; none when the tuning was loaded)
 COMPILE_COUNTERS = {"compiled": ("inductor", "fxgraph_cache_miss"),
                     "loaded": ("inductor", "fxgraph_cache_hit"),
                     "coordesc_benchmarks": ("inductor", "coordesc_tuning_bench")}

@@ -1,6 +1,6 @@
 """A fix that later PyTorch releases carry, applied where the installed Inductor lacks it.
 
-Coordinate descent (``runtime.inductor_options={coordinate_descent_tuning: true}``) tunes each
+Coordinate descent (``runtime.tuning``: ``full``, or ``auto`` for a long run) tunes each
 Triton kernel on its first run and writes the best config beside the kernel in Inductor's cache,
 marked ``found_by_coordesc``. A process that later loads the compiled graph from the cache (the
 training process loading what a parallel compile made, or any later run) checks that cache in
