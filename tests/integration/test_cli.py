@@ -67,8 +67,12 @@ def test_tr_plan_says_whether_a_cuda_run_would_tune_and_why(tmp_path):
                 "plan.format=json", cwd=tmp_path)
     t = json.loads(short.stdout)["tuning"]
     assert not t["tune"] and t["asked"] == "auto" and 0 < t["saving_seconds"] < t["cost_seconds"], t
-    cpu = run("tr-plan", "runtime.device=cpu", "runtime.tuning=full", cwd=tmp_path)
-    assert "runtime.tuning=full: no tuning (no Triton kernels to tune on the CPU)" in cpu.stdout
+    from tr_hydra.cli._common import compose
+    from tr_hydra.cli.plan import plan_table
+    from tr_hydra.compiler.compile import compile_plan
+    from tr_hydra.config.plan_config import plan_config_from
+    cpu = plan_table(compile_plan(plan_config_from(compose(["runtime.device=cpu", "runtime.tuning=full"]))))
+    assert "runtime.tuning=full: no tuning (no Triton kernels to tune on the CPU)" in cpu
 
 
 def test_tr_train_writes_loadable_weights(tmp_path):
