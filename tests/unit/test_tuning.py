@@ -110,12 +110,12 @@ def test_resolved_config_and_the_options_it_compiles_with():
     short = dataclasses.replace(long, trainer=dataclasses.replace(long.trainer, epochs=2),
                                 train_size=16384, val_size=512)
     model = instantiate_model(long, "meta")
-    got, choice = tuning.resolve(long, model)
+    got, choice = tuning.resolve(long, model, "cuda", True)
     assert choice.tune and got.runtime.tuning == "full"
     assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True}
-    again, second = tuning.resolve(got, model)
+    again, second = tuning.resolve(got, model, "cuda", True)
     assert again == got and second.tune and second.reason == "as asked"
-    got, choice = tuning.resolve(short, model)
+    got, choice = tuning.resolve(short, model, "cuda", True)
     assert not choice.tune and got.runtime.tuning == "none" and tuning.inductor_map(got.runtime) == {}
     # the ImageNet run's estimate: 37 epochs of 5,005 steps and 196 validation steps, at the
     # figures measured on the H200 (a 256x224 step in 34.9 ms: 3 x 8.18 GFLOP x 256 / 1.8e14)

@@ -145,6 +145,18 @@ def recomputes_pointwise(pc: PlanConfig) -> bool:
     return inductor and rt.recompute == "pointwise"
 
 
+def device_type_of(pc: PlanConfig) -> str:
+    """The device type a run of ``pc`` uses (``runtime.device=auto``: CUDA where there is one)."""
+    if pc.runtime.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(pc.runtime.device)
+
+
+def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
+    """``runtime.compile`` resolved: Inductor compiles the model's step (``auto``: on CUDA)."""
+    return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
+
+
 def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     """Everything decided before the first step: runs on the meta device, needs no GPU.
     ``fused``: whether the run will use the fused kernels (see ``fused_update_reads_16bit``)."""
@@ -153,7 +165,8 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
 
     meta_model = instantiate_model(pc, "meta")
     model_map = map_model(meta_model, pc.data.channels)
-    pc, choice = tuning.resolve(pc, meta_model)  # every process of the run compiles as chosen here
+    device_type = device_type_of(pc)  # every process of the run compiles as chosen here
+    pc, choice = tuning.resolve(pc, meta_model, device_type, inductor_wanted(pc, device_type))
     plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)

@@ -102,7 +102,7 @@ def run_steps(pc) -> dict[str, int]:
 def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], norm_layers: int) -> TuningChoice:
     """``runtime.tuning`` resolved for a run of ``pc`` on ``device_type`` (``inductor``: whether
     Inductor compiles the step). ``flops_by_res``: one image's forward FLOPs per resolution."""
-    asked = str(getattr(pc.runtime.tuning, "value", pc.runtime.tuning))
+    asked = pc.runtime.tuning
     if device_type != "cuda" or not inductor:
         where = "on the CPU" if device_type != "cuda" else "without Inductor (runtime.compile=none)"
         return TuningChoice(False, asked, f"no Triton kernels to tune {where}")
@@ -121,25 +121,16 @@ def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], n
     return TuningChoice(saving > cost, asked, why, seconds, saving, cost)
 
 
-def run_device_type(pc) -> str:
-    """The device type a run of ``pc`` will use (``runtime.device=auto``: CUDA where there is one)."""
-    if pc.runtime.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(pc.runtime.device)
-
-
-def resolve(pc, meta_model: torch.nn.Module):
+def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
     """``(pc with runtime.tuning as chosen, the choice)``: ``full`` or ``none``, so that every
     process of the run (the parallel compiles receive it) compiles, and keys its saved compiles,
-    alike. ``meta_model``: the plan's model on the meta device."""
-    device_type = run_device_type(pc)
-    rt = pc.runtime
-    inductor = rt.compile == "inductor" or (rt.compile == "auto" and device_type == "cuda")
-    counting = device_type == "cuda" and inductor and rt.tuning == "auto"
+    alike. ``meta_model``: the plan's model on the meta device; ``device_type`` and ``inductor``:
+    the run's device type and whether Inductor compiles its step."""
+    counting = device_type == "cuda" and inductor and pc.runtime.tuning == "auto"
     flops = {r: forward_flops(meta_model, pc.data.channels, r) for r in {v.res for v in pc.variants}} if counting else {}
     norms = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in meta_model.modules())
     choice = choose(pc, device_type, inductor, flops, norms)
-    tuned = dataclasses.replace(rt, tuning="full" if choice.tune else "none")
+    tuned = dataclasses.replace(pc.runtime, tuning="full" if choice.tune else "none")
     return dataclasses.replace(pc, runtime=tuned), choice
 
 
@@ -147,6 +138,6 @@ def inductor_map(runtime) -> dict:
     """The options the step's ``torch.compile`` gets: ``runtime.inductor_options`` and, with
     ``runtime.tuning=full`` (as chosen), coordinate descent."""
     options = dict(runtime.inductor_options)
-    if str(getattr(runtime.tuning, "value", runtime.tuning)) == "full":
+    if runtime.tuning == "full":
         options["coordinate_descent_tuning"] = True
     return options

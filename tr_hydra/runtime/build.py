@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tr_hydra.compiler.compile import Compiled, compile_plan, instantiate_model
+from tr_hydra.compiler.compile import Compiled, compile_plan, device_type_of, inductor_wanted, instantiate_model
 from tr_hydra.compiler.tuning import inductor_map
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ConfigError
@@ -22,12 +22,9 @@ from tr_hydra.runtime.model_prep import load_init, prepare
 
 
 def pick_device(pc: PlanConfig) -> torch.device:
-    want = pc.runtime.device
-    if want == "cuda" and not torch.cuda.is_available():
+    if pc.runtime.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("runtime.device=cuda: no CUDA device is available (use runtime.device=cpu)")
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want)
+    return torch.device(device_type_of(pc))
 
 
 def set_determinism(pc: PlanConfig) -> None:
@@ -36,11 +33,6 @@ def set_determinism(pc: PlanConfig) -> None:
     torch.use_deterministic_algorithms(pc.runtime.deterministic)
     torch.backends.cudnn.deterministic = pc.runtime.deterministic
     torch.backends.cudnn.benchmark = not pc.runtime.deterministic
-
-
-def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
-    """``runtime.compile`` resolved: Inductor compiles the model's step (``auto``: on CUDA)."""
-    return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
 
 
 class Runtime:

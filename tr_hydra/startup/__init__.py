@@ -38,10 +38,11 @@ def start(pc, device: torch.device, log=print) -> Launcher | None:
     if pc.runtime.recompute == "none":  # every variant a child would compile kept by an earlier run: none
         from types import SimpleNamespace
 
-        from tr_hydra.compiler.compile import instantiate_model
+        from tr_hydra.compiler.compile import inductor_wanted, instantiate_model
         from tr_hydra.compiler.tuning import resolve
         from tr_hydra.startup.store import KeptCompiles
-        pc, _ = resolve(pc, instantiate_model(pc, "meta"))  # runtime.tuning as the runtime will choose it
+        # runtime.tuning as the runtime will choose it
+        pc, _ = resolve(pc, instantiate_model(pc, "meta"), device.type, inductor_wanted(pc, device.type))
         kc = KeptCompiles.open(SimpleNamespace(pc=pc, device=device), lambda *_: None)
         if kc is not None and all(kc.store.find(kc.key(v.name)) for v in pc.variants[1:]):
             return None
