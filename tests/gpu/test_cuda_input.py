@@ -49,10 +49,11 @@ def test_jpeg_training_with_graphs_and_ab_feeder(tmp_path, amp_dtype):
         assert img.float().abs().sum().item() > 0
 
 
-def test_training_on_shards_with_graphs_equals_the_folder(tmp_path):
-    """data=shards on the GPU (mixed decode, captured graphs, A/B feeder): images under
-    max_side, so the shards hold the folder's bytes, fed in the folder's order; deterministic,
-    the two runs end with the same weights."""
+@pytest.mark.parametrize("decode", ["host", "gpu"])
+def test_training_on_shards_with_graphs_equals_the_folder(tmp_path, decode):
+    """data=shards on the GPU (captured graphs, A/B feeder), decoded on the host or by nvJPEG:
+    images under max_side, so the shards hold the folder's bytes, fed in the folder's order;
+    deterministic, the two runs end with the same weights."""
     import dataclasses
     from tr_hydra.config.plan_config import DataSpec
     from tr_hydra.data.prepare import Settings, prepare
@@ -60,7 +61,7 @@ def test_training_on_shards_with_graphs_equals_the_folder(tmp_path):
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",
             Settings(max_side=32, shard_samples=5), workers=2, skip_corrupt=False, log=lambda *_: None)
     pc = folder_config(tmp_path / "data", augment=True, shuffle=True, amp=True, train=16, val=16, batch=4,
-                       device="cuda")
+                       device="cuda", decode=decode)
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, deterministic=True))
     runs = {}
     for name, data in (("folder", pc.data), ("shards", dataclasses.replace(pc.data, name="shards",

@@ -53,6 +53,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("runtime.inductor_options={coordinate_descent_tunning:true}", "runtime.inductor_options.coordinate_descent_tunning"),
     ("runtime.recompute=all", "expected one of [none, pointwise]"),
     ("runtime.tuning=some", "expected one of [auto, none, full]"),
+    ("data.decode=cpu", "expected one of [auto, host, gpu]"),
     ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
     # options that measured no gain are gone: the usual unknown-key line
     ("runtime.compile_gc=python", "Key 'compile_gc' not in 'RuntimeConfig'"),

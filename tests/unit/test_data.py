@@ -387,6 +387,45 @@ def test_hw_decoder_load_reaches_the_gpu_decoder(tmp_path, monkeypatch, load):
     assert seen.get("hw_decoder_load") == load and ("hw_decoder_load" in seen) == (load is not None)
 
 
+@pytest.mark.parametrize("name,decode,host", [("shards", "auto", True), ("imagefolder", "auto", False),
+                                               ("shards", "gpu", False), ("imagefolder", "host", True)])
+def test_data_decode_picks_where_jpegs_are_decoded(name, decode, host):
+    """``data.decode=auto``: tr-prepare's small JPEGs on the host, full-size folders on the GPU;
+    ``host``/``gpu`` as asked; a CPU run decodes on the host whatever it says."""
+    from tr_hydra.data.dali_source import decodes_on_host
+    d = DataSpec(name=name, decode=decode)
+    assert decodes_on_host(d, gpu=True) is host
+    assert decodes_on_host(d, gpu=False) is True
+
+
+@pytest.mark.parametrize("decode,augment", [("host", True), ("host", False), ("gpu", True), ("gpu", False)])
+def test_host_decode_hands_the_gpu_only_the_normalisation(tmp_path, monkeypatch, decode, augment):
+    """A CUDA run with ``data.decode=host`` decodes and resizes on DALI's CPU operators and moves
+    the result to the GPU for the crop, flip and normalisation; with ``gpu`` the decoder is
+    nvJPEG's mixed one. (The graph is defined, not built: no GPU here.)"""
+    from nvidia.dali import fn
+    make_folder(tmp_path, fmt="JPEG")
+    src = DaliSource(folder_config(tmp_path, decode=decode, augment=augment), torch.device("cuda"), torch.float16)
+    seen = {}
+
+    class Defined(Exception):
+        pass
+    decoder = fn.decoders.image_random_crop if augment else fn.decoders.image
+
+    def spy(*args, **kw):
+        seen["decoder"] = kw["device"]
+        return decoder(*args, **kw)
+
+    def normalise(img, **kw):
+        seen["normalised_on"] = img.device
+        raise Defined
+    monkeypatch.setattr(fn.decoders, "image_random_crop" if augment else "image", spy)
+    monkeypatch.setattr(fn, "crop_mirror_normalize", normalise)
+    with pytest.raises(Defined):
+        src._build("train", 16, 4, stream=True)
+    assert seen == {"decoder": "cpu" if decode == "host" else "mixed", "normalised_on": "gpu"}
+
+
 def test_synthetic_bank_in_the_input_buffer_layout_is_one_plain_copy(tmp_path):
     """With channel_pad (what the trainer passes on CUDA) the bank has the input buffer's padded
     channels, zero beyond the image's, so the feeder's copy is contiguous on both sides; the model

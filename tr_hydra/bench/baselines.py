@@ -140,16 +140,17 @@ def e2e_dataloader_compile(root: str, model_name: str, batch: int, res: int, dev
 
 def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, amp: bool,
                      warm_steps: int = 8, hw_decoder_load: float | None = None,
-                     options: dict | None = None, shards: str | None = None) -> dict:
+                     options: dict | None = None, shards: str | None = None, host: bool = False) -> dict:
     """NVIDIA DALI as its documentation sets it up (a reader, nvJPEG mixed decode of the random
     crop's region only, resize, flip, normalise to fp16 HWC; pipelined asynchronous executor,
     every core) feeding the model under torch.compile, bf16 autocast, fused SGD. The reader:
     ``fn.readers.file`` over the folder ``root``, or with ``shards`` (a tr-prepare output)
-    ``fn.readers.webdataset`` over its training shards. First DALI alone over an epoch (the
+    ``fn.readers.webdataset`` over its training shards; ``host``: decoded and resized on the
+    host's threads (``data.decode``, as tr_hydra's). First DALI alone over an epoch (the
     decode-only rate), then the training."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
     t0 = time.perf_counter()
-    p, classes = _dali_pipe(root, batch, res, device, hw_decoder_load, shards)
+    p, classes = _dali_pipe(root, batch, res, device, hw_decoder_load, shards, host)
     it = DALIGenericIterator([p], ["x", "y"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                              auto_reset=True)
     decode = _decode_rate(it, device, shards is not None)
@@ -164,7 +165,7 @@ def e2e_dali_compile(root: str, model_name: str, batch: int, res: int, device, a
     return dict(_timed_epoch(batches(), step, warm_steps, t0), decode_img_per_sec=decode["img_per_sec"])
 
 
-def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards: str | None):
+def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards: str | None, host: bool = False):
     """(pipeline, classes): DALI's usual training pipeline over the folder or the shards."""
     import json
     from nvidia.dali import fn, pipeline_def, types
@@ -187,10 +188,13 @@ def _dali_pipe(root: str, batch: int, res: int, device, hw_decoder_load, shards:
                                                initial_fill=min(4096, n), name="Reader")
             label = fn.pad(label, fill_value=0)  # ASCII of any length: zero-padded to the batch's longest
         # data.hw_decoder_load, when set, applies to this pipeline as to tr_hydra's
-        hw = {} if hw_decoder_load is None or not gpu else {"hw_decoder_load": hw_decoder_load}
+        host_only = host or not gpu
+        hw = {} if hw_decoder_load is None or host_only else {"hw_decoder_load": hw_decoder_load}
         # decode only the random crop's region, then resize (DALI's own ResNet-50 training recipe)
-        img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB, **hw)
+        img = fn.decoders.image_random_crop(enc, device="cpu" if host_only else "mixed", output_type=types.RGB, **hw)
         img = fn.resize(img, size=(res, res))
+        if gpu and host:
+            img = img.gpu()
         img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), dtype=types.FLOAT16,
                                        output_layout="HWC", mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
                                        std=[0.229 * 255, 0.224 * 255, 0.225 * 255])

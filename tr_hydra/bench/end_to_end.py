@@ -15,6 +15,7 @@ from tr_hydra.bench.baselines import e2e_dali_compile, e2e_dataloader_compile
 from tr_hydra.bench.modes import lr_of, pick_modes, ready_runtime
 from tr_hydra.bench.report import kernel_profile, write_json
 from tr_hydra.bench.timing import Marks, epoch_rates, sync
+from tr_hydra.data.dali_source import decodes_on_host
 from tr_hydra.runtime.schedule import epoch_schedule
 
 
@@ -43,9 +44,11 @@ def end_to_end(pc, b, device) -> dict:
                                                                      num_classes=fpc.model.num_classes))
             r = e2e_tr(spc, warm_steps=b.warmup, name=m)
         elif m in ("dali-compile", "dali-shards-compile"):
+            on = shards_config(fpc, shards) if m == "dali-shards-compile" else fpc  # data.decode: as tr_hydra's
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
                                  hw_decoder_load=fpc.data.hw_decoder_load, options=options,
-                                 shards=str(shards) if m == "dali-shards-compile" else None)
+                                 shards=str(shards) if m == "dali-shards-compile" else None,
+                                 host=decodes_on_host(on.data, device.type == "cuda"))
         else:
             r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp,
                                        warm_steps=b.warmup, options=options)
@@ -145,7 +148,8 @@ def folder_config(pc, root: str, compile_mode: str):
     classes = len(scan_imagefolder(root, "train")[1])
     v = pc.variant("train_base")
     data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, image_size=v.res,
-                    num_threads=os.cpu_count() or 4, hw_decoder_load=pc.data.hw_decoder_load)
+                    num_threads=os.cpu_count() or 4, hw_decoder_load=pc.data.hw_decoder_load,
+                    decode=pc.data.decode)
     variants = make_variants(train_size=n_train, val_size=n_val, batch_size=v.batch, val_batch_size=v.batch,
                              base_res=v.res, lowres_res=v.res, lowres_epochs=0, val_res=v.res, drop_last=False)
     return dataclasses.replace(pc, data=data, model=dataclasses.replace(pc.model, num_classes=classes),

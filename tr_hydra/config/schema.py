@@ -79,6 +79,12 @@ class Kernels(enum.Enum):
 
 
 
+class Decode(enum.Enum):
+    auto = "auto"   # shards (tr-prepare's small JPEGs) on the host, image folders on the GPU
+    host = "host"   # DALI's CPU decoder on data.num_threads threads; the GPU only normalises
+    gpu = "gpu"     # nvJPEG (DALI's mixed decoder: the host's threads and the GPU)
+
+
 class Tuning(enum.Enum):
     auto = "auto"   # coordinate descent when the run is long enough to pay for it (compiler/tuning.py)
     none = "none"
@@ -150,6 +156,7 @@ class DataConfig:
     skip_corrupt: bool = False
     num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
     hw_decoder_load: Optional[float] = None  # share of JPEGs sent to the GPU's hardware decoder; null: DALI's default
+    decode: Decode = Decode.auto  # where a CUDA run decodes JPEGs: auto (host for shards, gpu for folders), host or gpu
 
 
 @dataclass

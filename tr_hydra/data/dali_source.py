@@ -1,9 +1,9 @@
 """NVIDIA DALI input: imagefolder, digits, arrays and prepared shards through one pipeline shape.
 
 The host decides every batch (order from (seed, epoch), shard, partial last batch) and feeds the
-samples through ``external_source``; DALI decodes (nvJPEG "mixed" on GPU, CPU otherwise),
-augments and normalises to NHWC in the compute dtype, and the feeder copies the result straight
-into the idle arena input buffer.
+samples through ``external_source``; DALI decodes (``data.decode``: nvJPEG "mixed" on the GPU,
+or its CPU decoder on the host's threads), augments and normalises to NHWC in the compute dtype,
+and the feeder copies the result straight into the idle arena input buffer.
 """
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def _fewer_classes(classes: list, n: int, where, log, what: str = "class folders
 
 
 DEPTH = 2  # batches DALI prepares ahead of the one being consumed
+
+
+def decodes_on_host(d, gpu: bool) -> bool:
+    """``data.decode``: where JPEGs are decoded. ``auto`` decodes tr-prepare's shards (at most
+    320 px) on the host's threads, so the step's SMs run no decode kernels beside it, and
+    full-size files on the GPU (nvJPEG), which the host's threads could not keep up with."""
+    if not gpu:
+        return True
+    return d.decode == "host" or (d.decode == "auto" and d.name == "shards")
 
 
 def dali_threads(spec, local_ranks: int = 1, cpus: int | None = None) -> int:
@@ -212,6 +221,10 @@ class DaliSource:
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
         self._after = None  # the copy out of the latest batch; DALI reuses its buffers after it
+        if self.index["train"].encoded and device.type == "cuda":
+            where = (f"on the host ({dali_threads(pc.data.num_threads, num_shards)} threads)"
+                     if decodes_on_host(pc.data, True) else "by nvJPEG on the GPU")
+            log(f"data: JPEGs decoded {where} (data.decode={pc.data.decode})")
         if self.index["train"].encoded:  # until close(): the decoders' own lines about damaged files dropped
             DecoderNoiseFilter.acquire()
             self._filtering = True
@@ -241,9 +254,10 @@ class DaliSource:
         from nvidia.dali import fn, pipeline_def, types
         d, encoded = self.pc.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
+        host = decodes_on_host(d, gpu)
         augment = split == "train" and d.augment
         # the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG on the host's threads)
-        hw = {"hw_decoder_load": d.hw_decoder_load} if gpu and d.hw_decoder_load is not None else {}
+        hw = {"hw_decoder_load": d.hw_decoder_load} if not host and d.hw_decoder_load is not None else {}
         dtype = types.FLOAT16 if self.half else types.FLOAT
         # a stream's generators run on over the epochs; a synchronous pipeline is per epoch
         salt = (self.shard_id * 1009 + 7) if stream else epoch * 104729
@@ -261,7 +275,7 @@ class DaliSource:
                     # plain reads: mapping each file read 25,000 files/s against 41,000-55,000
                     # with plain reads (2 threads, page cache warm)
                     enc = fn.io.file.read(enc, dont_use_mmap=True)
-                dev = "mixed" if gpu else "cpu"
+                dev = "cpu" if host else "mixed"
                 if augment:  # decode only the random crop's region (DALI's fused decoder and crop)
                     img = fn.decoders.image_random_crop(enc, device=dev, output_type=types.RGB,
                                                         random_area=list(d.crop_scale),
@@ -282,6 +296,8 @@ class DaliSource:
                 shorter = res if split == "train" else int(round(res / d.val_crop))
                 img = fn.resize(img, resize_shorter=shorter)
                 mirror = 0
+            if encoded and gpu and host:  # decoded and resized on the host: normalised on the GPU
+                img = img.gpu()
             return fn.crop_mirror_normalize(img, crop=(res, res), mirror=mirror, mean=list(d.mean),
                                             std=list(d.std), dtype=dtype, output_layout="HWC",
                                             pad_output=self.half)
