@@ -154,6 +154,24 @@ def test_rerun_of_a_run_that_asked_for_coordinate_descent_tunes_again(tmp_path, 
     assert "runtime.tuning='auto'" in rerun_overrides(tmp_path)  # saved with it: as saved
 
 
+def test_rerun_of_a_run_saved_before_data_decode_decodes_on_the_gpu_as_it_did(tmp_path):
+    """Saved before data.decode: every CUDA run decoded its JPEGs with nvJPEG, shards included, so
+    the rerun asks for data.decode=gpu (the default would decode shards on the host: other
+    pixels); a config saved with it reruns as saved."""
+    import yaml
+
+    from tr_hydra.cli.rerun import rerun_overrides
+    (tmp_path / ".hydra").mkdir()
+    cfg = {"data": {"name": "digits", "num_threads": 2}, "seed": 5}
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    got = rerun_overrides(tmp_path)
+    assert "data.decode='gpu'" in got and "data.num_threads=2" in got, got
+    assert plan_config_from(compose(got)).data.decode == "gpu"
+    cfg["data"]["decode"] = "auto"
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert "data.decode='auto'" in rerun_overrides(tmp_path)
+
+
 def test_the_runtime_yaml_holds_every_schema_option_with_its_default_and_a_doc():
     """conf/runtime/default.yaml and the schema declare the same options with the same
     defaults, each with a one-line comment."""

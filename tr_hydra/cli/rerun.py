@@ -82,6 +82,15 @@ def _tuning_of_older_runs(config: dict) -> None:
               file=sys.stderr)
 
 
+def _decode_of_older_runs(config: dict) -> None:
+    """A config saved before ``data.decode`` existed: its CUDA runs decoded every JPEG on the GPU
+    (nvJPEG), shards included, which ``data.decode=gpu`` repeats (a CPU run decodes on the host
+    whatever it says)."""
+    data = config.get("data")
+    if isinstance(data, dict) and "decode" not in data:
+        data["decode"] = "gpu"
+
+
 def rerun_overrides(run_dir: str | Path) -> list[str]:
     import yaml
     hydra_dir = Path(run_dir) / ".hydra"
@@ -91,6 +100,7 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
     from tr_hydra.config.schema import Config
     config = yaml.safe_load(cfg_path.read_text()) or {}
     _tuning_of_older_runs(config)
+    _decode_of_older_runs(config)
     overrides, gone = _overrides(config, Config)
     if gone:
         print(f"--rerun: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer "
