@@ -426,6 +426,29 @@ def test_host_decode_hands_the_gpu_only_the_normalisation(tmp_path, monkeypatch,
     assert seen == {"decoder": "cpu" if decode == "host" else "mixed", "normalised_on": "gpu"}
 
 
+def test_a_checkpoint_decoded_elsewhere_is_refused_on_resume(tmp_path):
+    """The input state a checkpoint keeps says where its JPEGs were decoded; a resume that would
+    decode them elsewhere (other pixels, other crops) is one line naming data.decode. A
+    checkpoint from before the key was kept decoded with nvJPEG on CUDA, on the host on the CPU."""
+    make_folder(tmp_path, fmt="JPEG")
+    cpu = DaliSource(folder_config(tmp_path, augment=True), torch.device("cpu"), torch.float32)
+    cpu.batch("train", 0, 4, 4, 16)
+    state = cpu.state()
+    assert state["decode"] == "host"
+    cpu.restore(state)
+    cpu.restore({k: v for k, v in state.items() if k != "decode"})
+    with pytest.raises(ConfigError, match="decoded its JPEGs on the GPU; resume with data.decode=gpu"):
+        cpu.restore(dict(state, decode="gpu"))
+    for decode, old_ok in (("gpu", True), ("host", False)):  # defined on "cuda", not built: no GPU here
+        src = DaliSource(folder_config(tmp_path, augment=True, decode=decode), torch.device("cuda"), torch.float16)
+        src.restore(dict(state, decode=decode))
+        if old_ok:
+            src.restore({k: v for k, v in state.items() if k != "decode"})
+        else:
+            with pytest.raises(ConfigError, match="data.decode=gpu"):
+                src.restore({k: v for k, v in state.items() if k != "decode"})
+
+
 def test_synthetic_bank_in_the_input_buffer_layout_is_one_plain_copy(tmp_path):
     """With channel_pad (what the trainer passes on CUDA) the bank has the input buffer's padded
     channels, zero beyond the image's, so the feeder's copy is contiguous on both sides; the model

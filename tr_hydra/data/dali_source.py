@@ -8,10 +8,7 @@ and the feeder copies the result straight into the idle arena input buffer.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +17,7 @@ import numpy as np
 import torch
 
 from tr_hydra.config.plan_config import PlanConfig
-from tr_hydra.data.decoder_noise import DecoderNoiseFilter
+from tr_hydra.data.decoder_noise import DecoderNoiseFilter, native_stderr_kept_on_success
 from tr_hydra.data.index import SplitIndex, check_labels, epoch_order, load_arrays, scan_imagefolder
 from tr_hydra.errors import ConfigError, TrHydraError
 
@@ -36,29 +33,6 @@ class DaliBatch:
     images: object            # DALI TensorList (CPU or GPU), NHWC, C padded to 4 for fp16
     labels: torch.Tensor      # int32 [n], on the host
     dtype: torch.dtype        # dtype DALI produced (fp16 or fp32)
-
-
-@contextlib.contextmanager
-def native_stderr_kept_on_success():
-    """DALI's decoders print their own lines to the C-level stderr before raising; those would
-    break the one-line error. Capture them: pass them on when the run succeeds, drop them when it
-    fails (the exception, turned into a DataError, says what went wrong)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            if ok:
-                tmp.seek(0)
-                text = tmp.read()
-                if text:
-                    sys.stderr.write(text.decode(errors="replace"))
 
 
 def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
@@ -401,12 +375,23 @@ class DaliSource:
         points = st.resume_points() if st is not None else []
         if not points:
             return None
-        return {"res": st.key[0], "batch": st.key[1],
+        return {"res": st.key[0], "batch": st.key[1], "decode": self._decoded_on(),
                 "points": [{"epoch": p[0], "index": p[1], "dali": torch.frombuffer(bytearray(c), dtype=torch.uint8)}
                            for p, c in points]}
 
+    def _decoded_on(self) -> str:
+        return "host" if decodes_on_host(self.pc.data, self.device.type == "cuda") else "gpu"
+
     def restore(self, state: dict | None) -> None:
-        """Start the train stream from a checkpoint's ``state`` when the run asks for its batch."""
+        """Start the train stream from a checkpoint's ``state`` when the run asks for its batch.
+        JPEGs decoded elsewhere than the checkpoint's run did (``data.decode``) would give other
+        crops: refused in one line (a checkpoint without the key: nvJPEG on CUDA)."""
+        if state is not None and self.index["train"].encoded:
+            was = state.get("decode", "gpu" if self.device.type == "cuda" else "host")
+            if was != self._decoded_on():
+                raise ConfigError(f"data.decode: the checkpoint's run decoded its JPEGs on the "
+                                  f"{'host' if was == 'host' else 'GPU'}; resume with data.decode={was} "
+                                  f"to draw the same crops")
         self._resume = state
 
     def _checkpoint_for(self, split: str, key: tuple, pos: tuple) -> bytes | None:

@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 import threading
 
 # what the image decoders (nvImageCodec's parsers, libjpeg-turbo's warnings, nvJPEG) print
@@ -145,3 +146,26 @@ class DecoderNoiseFilter:
 def _restore_stderr() -> None:
     while DecoderNoiseFilter._users:
         DecoderNoiseFilter.release()
+
+
+@contextlib.contextmanager
+def native_stderr_kept_on_success():
+    """DALI's decoders print their own lines to the C-level stderr before raising; those would
+    break the one-line error. Capture them: pass them on when the run succeeds, drop them when it
+    fails (the exception, turned into a DataError, says what went wrong)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                tmp.seek(0)
+                text = tmp.read()
+                if text:
+                    sys.stderr.write(text.decode(errors="replace"))
