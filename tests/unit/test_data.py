@@ -437,7 +437,7 @@ def test_a_checkpoint_decoded_elsewhere_is_refused_on_resume(tmp_path):
     assert state["decode"] == "host"
     cpu.restore(state)
     cpu.restore({k: v for k, v in state.items() if k != "decode"})
-    with pytest.raises(ConfigError, match="decoded its JPEGs on the GPU; resume with data.decode=gpu"):
+    with pytest.raises(ConfigError, match="decoded its JPEGs on the GPU; resume on a GPU to draw"):
         cpu.restore(dict(state, decode="gpu"))
     for decode, old_ok in (("gpu", True), ("host", False)):  # defined on "cuda", not built: no GPU here
         src = DaliSource(folder_config(tmp_path, augment=True, decode=decode), torch.device("cuda"), torch.float16)

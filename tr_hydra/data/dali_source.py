@@ -389,9 +389,9 @@ class DaliSource:
         if state is not None and self.index["train"].encoded:
             was = state.get("decode", "gpu" if self.device.type == "cuda" else "host")
             if was != self._decoded_on():
+                how = f"with data.decode={was}" if self.device.type == "cuda" else "on a GPU"
                 raise ConfigError(f"data.decode: the checkpoint's run decoded its JPEGs on the "
-                                  f"{'host' if was == 'host' else 'GPU'}; resume with data.decode={was} "
-                                  f"to draw the same crops")
+                                  f"{'host' if was == 'host' else 'GPU'}; resume {how} to draw the same crops")
         self._resume = state
 
     def _checkpoint_for(self, split: str, key: tuple, pos: tuple) -> bytes | None:
