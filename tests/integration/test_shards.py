@@ -222,3 +222,22 @@ def test_a_subset_of_shards_reads_the_same_samples_as_the_folder(tmp_path, n):
     for i in range(n):
         assert s.blob(i).tobytes() == Path(f.paths[i]).read_bytes()
         assert s.paths[i].endswith(f"(from {os.path.relpath(f.paths[i], tmp_path / 'data')})")
+
+
+@pytest.mark.parametrize("threads,line", [
+    (16, "data: JPEGs decoded on the host (16 threads) (data.decode=auto)"),
+    (4, "data: JPEGs decoded by nvJPEG on the GPU (4 threads per rank, under the 12 the host needs) (data.decode=auto)")])
+def test_shards_on_a_gpu_are_decoded_on_the_host_given_the_threads(tmp_path, threads, line):
+    """A CUDA run on shards says where its JPEGs are decoded: on the host with 12 threads or
+    more per rank, else by nvJPEG, and why. (Defined on "cuda", nothing built: no GPU here.)"""
+    from tr_hydra.data.dali_source import DaliSource
+    from tr_hydra.data.prepare import Settings, prepare
+    make_folder(tmp_path / "data", fmt="JPEG", per_class=(5, 4, 4), size=16)
+    prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",
+            Settings(max_side=16, shard_samples=4), workers=1, skip_corrupt=False, log=lambda *_: None)
+    pc = folder_config(tmp_path / "data", train=13, val=13)
+    data = dataclasses.replace(pc.data, name="shards", root=str(tmp_path / "shards"), num_threads=threads)
+    said = []
+    src = DaliSource(dataclasses.replace(pc, data=data), torch.device("cuda"), torch.float16, log=said.append)
+    src.close()
+    assert line in said, said

@@ -387,15 +387,17 @@ def test_hw_decoder_load_reaches_the_gpu_decoder(tmp_path, monkeypatch, load):
     assert seen.get("hw_decoder_load") == load and ("hw_decoder_load" in seen) == (load is not None)
 
 
-@pytest.mark.parametrize("name,decode,host", [("shards", "auto", True), ("imagefolder", "auto", False),
-                                               ("shards", "gpu", False), ("imagefolder", "host", True)])
-def test_data_decode_picks_where_jpegs_are_decoded(name, decode, host):
-    """``data.decode=auto``: tr-prepare's small JPEGs on the host, full-size folders on the GPU;
-    ``host``/``gpu`` as asked; a CPU run decodes on the host whatever it says."""
+@pytest.mark.parametrize("name,decode,threads,host", [
+    ("shards", "auto", 16, True), ("shards", "auto", 12, True), ("shards", "auto", 11, False),
+    ("imagefolder", "auto", 64, False), ("shards", "gpu", 16, False), ("imagefolder", "host", 2, True)])
+def test_data_decode_picks_where_jpegs_are_decoded(name, decode, threads, host):
+    """``data.decode=auto``: tr-prepare's small JPEGs on the host where the rank has 12 threads
+    or more, full-size folders on the GPU; ``host``/``gpu`` as asked; a CPU run decodes on the
+    host whatever it says."""
     from tr_hydra.data.dali_source import decodes_on_host
     d = DataSpec(name=name, decode=decode)
-    assert decodes_on_host(d, gpu=True) is host
-    assert decodes_on_host(d, gpu=False) is True
+    assert decodes_on_host(d, True, threads) is host
+    assert decodes_on_host(d, False, threads) is True
 
 
 @pytest.mark.parametrize("decode,augment", [("host", True), ("host", False), ("gpu", True), ("gpu", False)])

@@ -48,7 +48,7 @@ def end_to_end(pc, b, device) -> dict:
             r = e2e_dali_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp, warm_steps=b.warmup,
                                  hw_decoder_load=fpc.data.hw_decoder_load, options=options,
                                  shards=str(shards) if m == "dali-shards-compile" else None,
-                                 host=decodes_on_host(on.data, device.type == "cuda"))
+                                 host=decodes_on_host(on.data, device.type == "cuda", os.cpu_count() or 1))
         else:
             r = e2e_dataloader_compile(b.data, fpc.model.name, v.batch, v.res, device, fpc.amp,
                                        warm_steps=b.warmup, options=options)

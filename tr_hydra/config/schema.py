@@ -80,7 +80,7 @@ class Kernels(enum.Enum):
 
 
 class Decode(enum.Enum):
-    auto = "auto"   # shards (tr-prepare's small JPEGs) on the host, image folders on the GPU
+    auto = "auto"   # shards (tr-prepare's small JPEGs) on the host given 12 threads per rank; else the GPU
     host = "host"   # DALI's CPU decoder on data.num_threads threads; the GPU only normalises
     gpu = "gpu"     # nvJPEG (DALI's mixed decoder: the host's threads and the GPU)
 
@@ -156,7 +156,7 @@ class DataConfig:
     skip_corrupt: bool = False
     num_threads: Any = "auto"     # DALI threads: auto (this process's share of the cores) or a count
     hw_decoder_load: Optional[float] = None  # share of JPEGs sent to the GPU's hardware decoder; null: DALI's default
-    decode: Decode = Decode.auto  # where a CUDA run decodes JPEGs: auto (host for shards, gpu for folders), host or gpu
+    decode: Decode = Decode.auto  # where a CUDA run decodes JPEGs: auto (shards on the host given 12 threads), host or gpu
 
 
 @dataclass
