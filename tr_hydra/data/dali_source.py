@@ -204,9 +204,11 @@ class DaliSource:
         self.skipped = 0
         self._after = None  # the copy out of the latest batch; DALI reuses its buffers after it
         self.threads = dali_threads(pc.data.num_threads, num_shards)  # DALI's, per pipeline
+        # where this source's JPEGs are decoded: "host" or "gpu" (kept in a checkpoint's input state)
+        self.decoded_on = "host" if decodes_on_host(pc.data, device.type == "cuda", self.threads) else "gpu"
         if self.index["train"].encoded and device.type == "cuda":
             d = pc.data
-            if decodes_on_host(d, True, self.threads):
+            if self.decoded_on == "host":
                 where = f"on the host ({self.threads} threads)"
             else:
                 where = "by nvJPEG on the GPU"
@@ -389,12 +391,9 @@ class DaliSource:
         points = st.resume_points() if st is not None else []
         if not points:
             return None
-        return {"res": st.key[0], "batch": st.key[1], "decode": self._decoded_on(),
+        return {"res": st.key[0], "batch": st.key[1], "decode": self.decoded_on,
                 "points": [{"epoch": p[0], "index": p[1], "dali": torch.frombuffer(bytearray(c), dtype=torch.uint8)}
                            for p, c in points]}
-
-    def _decoded_on(self) -> str:
-        return "host" if decodes_on_host(self.pc.data, self.device.type == "cuda", self.threads) else "gpu"
 
     def restore(self, state: dict | None) -> None:
         """Start the train stream from a checkpoint's ``state`` when the run asks for its batch.
@@ -402,7 +401,7 @@ class DaliSource:
         crops: refused in one line (a checkpoint without the key: nvJPEG on CUDA)."""
         if state is not None and self.index["train"].encoded:
             was = state.get("decode", "gpu" if self.device.type == "cuda" else "host")
-            if was != self._decoded_on():
+            if was != self.decoded_on:
                 how = f"with data.decode={was}" if self.device.type == "cuda" else "on a GPU"
                 raise ConfigError(f"data.decode: the checkpoint's run decoded its JPEGs on the "
                                   f"{'host' if was == 'host' else 'GPU'}; resume {how} to draw the same crops")
