@@ -17,9 +17,12 @@ def compile_as(fn, mode: str | None = None, options: dict | None = None, **kw):
     """``torch.compile(fn, mode=mode)``, with Inductor ``options`` (``runtime.inductor_options``)
     on top of the mode's own: torch.compile takes a mode or options, not both. The same fix of
     Inductor's cache check as tr_hydra's is applied (``tr_hydra.runtime.inductor_compat``), so
-    both load tuned kernels alike."""
-    from tr_hydra.runtime import inductor_compat
+    both load tuned kernels alike, and coordinate descent tunes the same kernels as in tr_hydra
+    (``tr_hydra.runtime.tuned_kernels``)."""
+    from tr_hydra.runtime import inductor_compat, tuned_kernels
     inductor_compat.apply()
+    if (options or {}).get("coordinate_descent_tuning"):
+        tuned_kernels.apply()
     if not options:
         return torch.compile(fn, mode=mode, **kw) if mode else torch.compile(fn, **kw)
     from torch._inductor import list_mode_options

@@ -1,9 +1,10 @@
 """``runtime.tuning``: how much compile effort the run's length pays for.
 
-Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of every
-Triton kernel's block sizes at its first launch and keeps the fastest. On the H200 it makes
-ResNet-50's step 5-10% faster and costs three to four minutes more before the first step: worth
-it for an ImageNet run of 37 epochs, a loss for a short one. ``auto`` weighs the two before anything
+Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of a
+Triton kernel's block sizes at its first launch and keeps the fastest; tr_hydra gives it only the
+kernels large enough to gain (``runtime/tuned_kernels.py``). On the H200 it makes ResNet-50's step
+5-10% faster and costs about two minutes more before the first step: worth it for an ImageNet run
+of 37 epochs, a loss for a short one. ``auto`` weighs the two before anything
 compiles:
 
 - the run's steps per variant come from the plan (epochs, the low-resolution epochs, last
@@ -32,9 +33,10 @@ STEP_FLOPS_PER_S = 1.8e14
 # 7,707 img/s (5%, 2026-12-03); 7,250 -> 7,878-7,891 (8%) and the six-variant ImageNet mix 8,520-8,807
 # -> 9,417 (7-10%) on 2026-11-30; CIFAR ResNet-18 +2.5%
 GAIN = 0.05
-# ResNet-50 (53 BatchNorm layers), its four ImageNet variants cold: first steps after 282.3 s tuned
-# against 70.6 s untuned (2026-12-03); one variant 255 s against 57 s (2026-11-30)
-TUNE_SECONDS_PER_NORM = 4.0
+# ResNet-50 (53 BatchNorm layers), its four ImageNet variants cold, only kernels over 2^20 elements
+# tuned (runtime/tuned_kernels.py): coordinate descent took 134 s of the training variant's compile,
+# first steps after 190.1 s (2026-12-03; 282.3 s with every kernel tuned, 70.6 s untuned)
+TUNE_SECONDS_PER_NORM = 2.5
 
 
 @dataclass(frozen=True)

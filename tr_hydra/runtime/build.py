@@ -92,7 +92,7 @@ class Runtime:
         """The model's forward under ``torch.compile`` (Inductor, static shapes), with
         ``runtime.inductor_options`` and ``runtime.recompute``."""
         import torch._dynamo as dynamo
-        from tr_hydra.runtime import inductor_compat
+        from tr_hydra.runtime import inductor_compat, tuned_kernels
         from tr_hydra.runtime.recompute import fresh_compile_for, with_recompute
         pc = self.pc
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # one per variant and mode
@@ -110,6 +110,9 @@ class Runtime:
         if inductor_compat.apply() and options.get("coordinate_descent_tuning"):
             self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
                      "(PyTorch issue 172819): the fixed check of later releases is used")
+        if options.get("coordinate_descent_tuning") and tuned_kernels.apply():
+            self.log(f"coordinate descent tunes kernels over {tuned_kernels.MIN_ELEMENTS:,} elements or more; "
+                     "smaller ones keep Inductor's config")
         if pc.runtime.recompute != "none":
             forward = with_recompute(forward, pc.runtime.recompute)
             self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")

@@ -29,6 +29,9 @@ def _counters() -> dict:
                         ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"))):
         for k in keys:
             out[k] = int(counters[group][k])
+    from tr_hydra.runtime import tuned_kernels
+    if tuned_kernels.applied():
+        out.update(kernels_tuned=tuned_kernels.COUNTS["tuned"], kernels_kept=tuned_kernels.COUNTS["kept"])
     return out
 
 

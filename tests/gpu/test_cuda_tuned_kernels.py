@@ -1,0 +1,66 @@
+"""Coordinate descent tunes only kernels over ``tuned_kernels.MIN_ELEMENTS`` on the GPU: the
+small ones keep Inductor's config, and a second process that loads the compiled step from the
+cache runs no benchmark at all (``tr_hydra.runtime.tuned_kernels``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+# one process: a conv net whose activations (64x32x32x32 = 2M elements) are tuned and whose
+# per-channel kernels are not, compiled with coordinate descent; a training step
+SCRIPT = r"""
+import copy, json, sys, torch
+from torch import nn
+from torch._dynamo.utils import counters
+from tr_hydra.runtime import inductor_compat, tuned_kernels
+inductor_compat.apply()
+if sys.argv[1] == "rule":
+    tuned_kernels.apply()
+torch.manual_seed(0)
+m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                  nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).cuda().to(memory_format=torch.channels_last)
+ref = copy.deepcopy(m)  # PyTorch's eager step in fp32: the rounding scale of the bf16 step
+ref_loss = ref(x := torch.randn(64, 16, 32, 32, device="cuda").to(memory_format=torch.channels_last)).square().mean()
+ref_loss.backward()
+f = torch.compile(m, dynamic=False, options={"coordinate_descent_tuning": True})
+with torch.autocast("cuda", torch.bfloat16):
+    loss = f(x).float().square().mean()
+loss.backward()
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                              "benchmarks": counters["inductor"]["coordesc_tuning_bench"],
+                              "counts": tuned_kernels.COUNTS, "loss": loss.item(),
+                              "grad": m[0].weight.grad.float().norm().item(),
+                              "ref_loss": ref_loss.item(), "ref_grad": ref[0].weight.grad.norm().item()}))
+"""
+
+
+def _run(cache, mode: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
+    every = _run(tmp_path / "every", "every")  # Inductor's own: every kernel tuned
+    first = _run(tmp_path / "rule", "rule")
+    assert first["counts"]["tuned"] > 0 and first["counts"]["kept"] > 0
+    assert 0 < first["benchmarks"] < every["benchmarks"]
+    again = _run(tmp_path / "rule", "rule")  # loads the compile and the tuned configs
+    assert again["hit"] >= 2 and again["benchmarks"] == 0 and again["counts"]["tuned"] == 0
+    # the same step, whatever configs the kernels run with: within twice the bf16 step's own
+    # distance from PyTorch's fp32 eager step
+    for key in ("loss", "grad"):
+        scale = abs(every[key] - every[f"ref_{key}"])
+        for r in (first, again):
+            assert abs(r[key] - every[key]) <= 2 * scale + 1e-7, (key, r[key], every[key], scale)

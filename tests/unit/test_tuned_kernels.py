@@ -1,0 +1,102 @@
+"""Which Triton kernels coordinate descent tunes (``tr_hydra.runtime.tuned_kernels``): the size
+rule against hand-counted elements, and the wrapped method against a stand-in for Inductor's
+own tuning."""
+import pytest
+
+th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+triton = pytest.importorskip("triton")
+
+from tr_hydra.runtime import tuned_kernels as tk  # noqa: E402
+
+
+@pytest.mark.parametrize("hints, n", [
+    ({"x": 2048}, 2048),                                  # a per-channel pointwise kernel
+    ({"x": 2048, "r0_": 128}, 262_144),                   # a split reduction's second pass
+    ({"x": 33_554_432}, 33_554_432),                      # 256x7x7x2048 rounded up to 2^25
+    ({"y": 256, "x": 65_536}, 16_777_216),                # a 2D tiled pointwise kernel
+    ({"x": 64, "r0_": 1_048_576}, 67_108_864),            # BatchNorm's statistics: C x (N H W)
+    ([1024, 4096], 4_194_304),                            # older releases: a list
+    (None, 0),
+])
+def test_elements_are_the_product_of_the_size_hints(hints, n):
+    assert tk.elements(hints) == n
+
+
+def test_only_kernels_over_the_threshold_are_worth_tuning():
+    assert tk.MIN_ELEMENTS == 2 ** 20
+    assert not tk.worth_tuning({"x": 2048, "r0_": 128})
+    assert not tk.worth_tuning({"x": 2 ** 20 - 1})
+    assert tk.worth_tuning({"x": 2 ** 20})
+    assert tk.worth_tuning({"x": 512, "r0_": 8192})
+    assert tk.worth_tuning({"x": 4}, least=4) and not tk.worth_tuning({"x": 3}, least=4)
+
+
+class Launcher:
+    def __init__(self, xblock):
+        self.config = triton.Config({"XBLOCK": xblock}, num_warps=4, num_stages=1)
+
+
+class Kernel:
+    """What the wrapped method reads of a CachingAutotuner at a kernel's first launch."""
+    def __init__(self, size_hints):
+        self.size_hints = size_hints
+
+
+@pytest.fixture
+def wrapped(monkeypatch):
+    """``CachingAutotuner.coordinate_descent_tuning`` replaced by a stand-in that records its
+    calls and 'tunes' to XBLOCK 1024, then wrapped by :func:`tk.apply`."""
+    calls = []
+
+    def tune(self, launcher, *args, **kwargs):
+        calls.append((self, args, kwargs))
+        best = Launcher(1024)
+        best.config.found_by_coordesc = True
+        return best
+
+    monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", tune)
+    monkeypatch.setattr(tk, "_APPLIED", [])
+    monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0})
+    assert tk.apply() is True and tk.applied()
+    assert tk.apply() is True and tk._APPLIED == [tune]  # once
+    return th.CachingAutotuner.coordinate_descent_tuning, calls
+
+
+def test_a_large_kernel_is_tuned_by_inductor(wrapped):
+    method, calls = wrapped
+    k, launcher = Kernel({"x": 64, "r0_": 802_816}), Launcher(64)
+    best = method(k, launcher, "arg", grid=(1,))
+    assert calls == [(k, ("arg",), {"grid": (1,)})]
+    assert best.config.kwargs == {"XBLOCK": 1024} and best.config.found_by_coordesc
+    assert tk.COUNTS == {"tuned": 1, "kept": 0}
+
+
+def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
+    method, calls = wrapped
+    k, launcher = Kernel({"x": 2048}), Launcher(64)
+    assert not getattr(launcher.config, "found_by_coordesc", False)
+    kept = method(k, launcher, "arg")
+    assert calls == [] and kept is launcher
+    assert kept.config.kwargs == {"XBLOCK": 64}
+    # Inductor's run() tunes a kernel whose config is not marked found_by_coordesc: now it is
+    assert kept.config.found_by_coordesc is True
+    assert tk.COUNTS == {"tuned": 0, "kept": 1}
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
+    import dataclasses
+    from tests.helpers import small_config
+    from tr_hydra.runtime.build import Runtime
+    original = th.CachingAutotuner.coordinate_descent_tuning
+    monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", original)  # restored after
+    monkeypatch.setattr(tk, "_APPLIED", [])
+    pc = small_config(compile="inductor")
+    opts = (("coordinate_descent_tuning", True),) if tune else ()
+    pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, inductor_options=opts, precompile=0))
+    logs = []
+    Runtime(pc, log=logs.append, source=False)
+    said = [str(ln) for ln in logs if "coordinate descent tunes kernels over 1,048,576 elements" in str(ln)]
+    assert len(said) == (1 if tune else 0), logs
+    assert tk.applied() == tune
+    assert (th.CachingAutotuner.coordinate_descent_tuning is original) != tune

@@ -1,0 +1,74 @@
+"""Which Triton kernels coordinate descent tunes (``runtime.tuning``: ``full``, or ``auto`` for a
+long run).
+
+Coordinate descent compiles and times every neighbour of a kernel's block sizes at the kernel's
+first launch, round after round. What that costs is about the same for every kernel (each
+candidate compiled, then timed for tens of milliseconds); what it saves is a share of the
+kernel's own time. A training step also launches many kernels over a few thousand elements: the
+per-channel finish of BatchNorm's statistics and of its parameter gradients, the second pass of a
+split reduction, the loss. Each runs for a few microseconds whatever its block sizes, so those
+keep the config Inductor chose and only kernels over ``MIN_ELEMENTS`` or more are tuned.
+
+The rule is applied where the kernel is first launched, in the process that tunes (the parallel
+compiles' children and the training process alike), by wrapping
+``CachingAutotuner.coordinate_descent_tuning``. A kept kernel's config is marked as settled, so
+it is not weighed again at its next launch; nothing is written to Inductor's cache for it, and a
+later process that loads it makes the same choice.
+"""
+from __future__ import annotations
+
+import math
+
+# 2^20 elements: above every per-channel or per-split kernel of the models here (at most a few
+# thousand channels times a few hundred splits), below every activation-sized one (ResNet-50's
+# smallest at batch 32 is 32x7x7x2048 = 3.2M; CIFAR ResNet-18's at batch 128, 128x4x4x512 = 1M).
+# ResNet-50's training step at batch 256 on the H200 (2026-12-03): 80 kernels of 2^23 elements or
+# more tuned in 134 s, 48 of 2^19 or fewer kept; tuning every one of them took 210 s
+MIN_ELEMENTS = 1 << 20
+
+_APPLIED: list = []  # the original method, once wrapped
+COUNTS = {"tuned": 0, "kept": 0}  # kernels this process tuned, and kept at Inductor's config
+
+
+def elements(size_hints) -> int:
+    """The elements a kernel's launch covers, from Inductor's ``size_hints`` (a dict of
+    ``x``/``y``/``r0_`` extents in current releases, a list in older ones): their product."""
+    if size_hints is None:
+        return 0
+    sizes = size_hints.values() if isinstance(size_hints, dict) else size_hints
+    return math.prod(int(s) for s in sizes)
+
+
+def worth_tuning(size_hints, least: int = MIN_ELEMENTS) -> bool:
+    """Whether a kernel over ``size_hints`` is large enough for coordinate descent to pay."""
+    return elements(size_hints) >= least
+
+
+def apply() -> bool:
+    """Wrap ``CachingAutotuner.coordinate_descent_tuning`` so that it tunes only kernels that
+    :func:`worth_tuning` accepts. Returns whether the rule is in place."""
+    if _APPLIED:
+        return True
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:  # no Triton: no Triton kernels to tune
+        return False
+    original = getattr(CachingAutotuner, "coordinate_descent_tuning", None)
+    if original is None:
+        return False
+
+    def coordinate_descent_tuning(self, launcher, *args, **kwargs):
+        if worth_tuning(getattr(self, "size_hints", None)):
+            COUNTS["tuned"] += 1
+            return original(self, launcher, *args, **kwargs)
+        COUNTS["kept"] += 1
+        launcher.config.found_by_coordesc = True  # settled: Inductor's config stays
+        return launcher
+
+    _APPLIED.append(original)
+    CachingAutotuner.coordinate_descent_tuning = coordinate_descent_tuning
+    return True
+
+
+def applied() -> bool:
+    return bool(_APPLIED)
