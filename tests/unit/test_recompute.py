@@ -176,3 +176,18 @@ def test_a_second_trainer_with_another_recompute_mode_compiles_again_and_leaves_
     assert new_graphs["pointwise"][1] == 0, "the same mode again should reuse the compiled code"
     baseline(x)
     assert len(compiles) == 1 and not resets
+
+
+def test_the_plan_of_device_auto_follows_the_device_the_run_uses(monkeypatch):
+    """``runtime.device=auto``: the plan's saved activations are those of the device the run will
+    use, Inductor's recompute and gathering max pooling on CUDA only, as ``runtime.device`` named."""
+    def saved(device: str, cuda: bool) -> dict:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        pc = small_config(model="resnet18", device=device, compile="auto", res=32, val_res=32)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise"))
+        return compile_plan(pc).shapes
+
+    on_cpu, on_cuda = saved("cpu", False), saved("cuda", True)
+    assert on_cpu != on_cuda  # recomputed pointwise results and 1-byte pooling offsets on CUDA
+    assert saved("auto", False) == on_cpu
+    assert saved("auto", True) == on_cuda

@@ -137,12 +137,10 @@ def instantiate_model(pc: PlanConfig, device: str | torch.device = "cpu") -> nn.
                            zero_init_residual=pc.model.zero_init_residual, width=pc.model.width)
 
 
-def recomputes_pointwise(pc: PlanConfig) -> bool:
+def recomputes_pointwise(pc: PlanConfig, device_type: str) -> bool:
     """Whether the step's backward recomputes pointwise results (``runtime.recompute``: only with
     Inductor, which ``compile=auto`` picks on CUDA)."""
-    rt = pc.runtime
-    inductor = rt.compile == "inductor" or (rt.compile == "auto" and rt.device != "cpu")
-    return inductor and rt.recompute == "pointwise"
+    return inductor_wanted(pc, device_type) and pc.runtime.recompute == "pointwise"
 
 
 def device_type_of(pc: PlanConfig) -> str:
@@ -171,10 +169,10 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
-    if uses_gather("cpu" if pc.runtime.device == "cpu" else "cuda", pc.runtime.compile):
+    if uses_gather(device_type, pc.runtime.compile):
         gather_maxpools(meta_model)  # as the runner will: it saves a byte per output, not 8-byte indices
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
-                                recompute=recomputes_pointwise(pc))
+                                recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}
     compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice)
     compiled.program = build_program(compiled)
