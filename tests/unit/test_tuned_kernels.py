@@ -96,7 +96,7 @@ def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, inductor_options=opts, precompile=0))
     logs = []
     Runtime(pc, log=logs.append, source=False)
-    said = [str(ln) for ln in logs if "coordinate descent tunes kernels over 1,048,576 elements" in str(ln)]
+    said = [str(ln) for ln in logs if "coordinate descent tunes kernels of 1,048,576 elements" in str(ln)]
     assert len(said) == (1 if tune else 0), logs
     assert tk.applied() == tune
     assert (th.CachingAutotuner.coordinate_descent_tuning is original) != tune

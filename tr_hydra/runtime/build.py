@@ -111,7 +111,7 @@ class Runtime:
             self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
                      "(PyTorch issue 172819): the fixed check of later releases is used")
         if options.get("coordinate_descent_tuning") and tuned_kernels.apply():
-            self.log(f"coordinate descent tunes kernels over {tuned_kernels.MIN_ELEMENTS:,} elements or more; "
+            self.log(f"coordinate descent tunes kernels of {tuned_kernels.MIN_ELEMENTS:,} elements or more; "
                      "smaller ones keep Inductor's config")
         if pc.runtime.recompute != "none":
             forward = with_recompute(forward, pc.runtime.recompute)

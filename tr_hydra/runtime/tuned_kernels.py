@@ -7,7 +7,7 @@ candidate compiled, then timed for tens of milliseconds); what it saves is a sha
 kernel's own time. A training step also launches many kernels over a few thousand elements: the
 per-channel finish of BatchNorm's statistics and of its parameter gradients, the second pass of a
 split reduction, the loss. Each runs for a few microseconds whatever its block sizes, so those
-keep the config Inductor chose and only kernels over ``MIN_ELEMENTS`` or more are tuned.
+keep the config Inductor chose, and only kernels of ``MIN_ELEMENTS`` or more are tuned.
 
 The rule is applied where the kernel is first launched, in the process that tunes (the parallel
 compiles' children and the training process alike), by wrapping
