@@ -2,12 +2,9 @@
 tuned again (PyTorch issue 172819; ``tr_hydra.runtime.inductor_compat``)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers import run_script_with_caches
 
 pytestmark = pytest.mark.cuda
 
@@ -44,13 +41,7 @@ print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
 
 
 def _run(tmp_path, mode: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_script_with_caches(SCRIPT, tmp_path, mode)
 
 
 def test_kernels_tuned_in_one_process_load_tuned_in_the_next(tmp_path):

@@ -3,12 +3,9 @@ small ones keep Inductor's config, and a second process that loads the compiled 
 cache runs no benchmark at all (``tr_hydra.runtime.tuned_kernels``)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers import run_script_with_caches
 
 pytestmark = pytest.mark.cuda
 
@@ -43,12 +40,7 @@ print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
 
 
 def _run(cache, mode: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_script_with_caches(SCRIPT, cache, mode)
 
 
 def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
