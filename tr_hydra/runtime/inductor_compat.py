@@ -69,18 +69,26 @@ def fixed_recheck_autotune_cache(self, reload_kernel_from_src) -> None:
             self.compile_results = [self._precompile_config(best_config)]
 
 
+def autotuner_method(name: str):
+    """``(CachingAutotuner, its method name)``, or None where Inductor has no Triton (no Triton
+    kernels to tune) or this release has no such method."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:
+        return None
+    original = getattr(CachingAutotuner, name, None)
+    return None if original is None else (CachingAutotuner, original)
+
+
 def apply() -> bool:
     """Install :func:`fixed_recheck_autotune_cache` if the installed Inductor has the faulty
     guard. Returns whether the fix is in place (installed now or before)."""
     if _APPLIED:
         return True
-    try:
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except ImportError:  # no Triton: no Triton kernels to tune
+    found = autotuner_method("recheck_autotune_cache")
+    if found is None:
         return False
-    original = getattr(CachingAutotuner, "recheck_autotune_cache", None)
-    if original is None:
-        return False
+    CachingAutotuner, original = found
     try:
         source = inspect.getsource(original)
     except (OSError, TypeError):  # no source to check: leave PyTorch's own

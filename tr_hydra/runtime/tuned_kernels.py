@@ -49,13 +49,11 @@ def apply() -> bool:
     :func:`worth_tuning` accepts. Returns whether the rule is in place."""
     if _APPLIED:
         return True
-    try:
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except ImportError:  # no Triton: no Triton kernels to tune
+    from tr_hydra.runtime.inductor_compat import autotuner_method
+    found = autotuner_method("coordinate_descent_tuning")
+    if found is None:
         return False
-    original = getattr(CachingAutotuner, "coordinate_descent_tuning", None)
-    if original is None:
-        return False
+    CachingAutotuner, original = found
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
         if worth_tuning(getattr(self, "size_hints", None)):
