@@ -256,8 +256,11 @@ def test_the_settings_lines_say_where_tr_hydras_model_computes_differently():
     assert not any("multiple of" in ln for ln in cuda)  # fp32: the image as it is
     assert any(ln.startswith("tr_hydra with Inductor computes max pooling's backward as one gathering kernel")
                for ln in cuda)
+    assert not any("16-bit gradient" in ln for ln in cuda)  # fp32: nothing converted
     amp = report.settings_lines(dataclasses.replace(pc, amp=True), "cuda")
     assert any("its input zero-padded to a multiple of 8 channels (16-bit autocast)" in ln for ln in amp), amp
+    assert any(ln.startswith("tr_hydra with Inductor stores a 16-bit gradient that several kernels read in 16 bits")
+               for ln in amp), amp
     opts = report.settings_lines(_pc("+runtime.inductor_options={max_autotune: true}"), "cpu")
     line = ("Inductor options (runtime.inductor_options), for tr_hydra and every torch.compile mode alike: "
             "max_autotune=True")

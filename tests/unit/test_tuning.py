@@ -9,6 +9,7 @@ from tr_hydra.cli._common import compose
 from tr_hydra.compiler import tuning
 from tr_hydra.config.plan_config import plan_config_from
 from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
+from tr_hydra.runtime.upcast_per_use import PASS
 
 
 def _pc(*overrides):
@@ -112,11 +113,11 @@ def test_resolved_config_and_the_options_it_compiles_with():
     model = instantiate_model(long, "meta")
     got, choice = tuning.resolve(long, model, "cuda", True)
     assert choice.tune and got.runtime.tuning == "full"
-    assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True}
+    assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
     again, second = tuning.resolve(got, model, "cuda", True)
     assert again == got and second.tune and second.reason == "as asked"
     got, choice = tuning.resolve(short, model, "cuda", True)
-    assert not choice.tune and got.runtime.tuning == "none" and tuning.inductor_map(got.runtime) == {}
+    assert not choice.tune and got.runtime.tuning == "none" and tuning.inductor_map(got.runtime) == {"post_grad_custom_post_pass": PASS}
     # the ImageNet run's estimate: 37 epochs of 5,005 steps and 196 validation steps, at the
     # figures measured on the H200 (a 256x224 step in 34.9 ms: 3 x 8.18 GFLOP x 256 / 1.8e14)
     assert tuning.run_steps(long) == {"train_base": 37 * 5004, "train_last": 37, "val_base": 37 * 195,

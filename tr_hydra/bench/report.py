@@ -234,7 +234,8 @@ def profile_table(profiles: list[dict]) -> str:
 
 def settings_lines(pc, device_type: str) -> list[str]:
     """Under the tables: the process-wide settings every mode ran with, and where tr_hydra's
-    model computes differently from the PyTorch modes' (its stem and max pooling on CUDA)."""
+    model computes differently from the PyTorch modes' (its stem, max pooling and, under autocast,
+    the width of stored gradients on CUDA)."""
     from tr_hydra.models.stem import stem_channel_multiple
     from tr_hydra.ops.maxpool import uses_gather
     lines = [options_line(pc)] if pc.runtime.inductor_options else []
@@ -246,6 +247,9 @@ def settings_lines(pc, device_type: str) -> list[str]:
     if uses_gather(device_type, "inductor"):
         lines.append("tr_hydra with Inductor computes max pooling's backward as one gathering kernel; "
                      "the PyTorch modes run the model's own")
+    if device_type == "cuda" and pc.amp:
+        lines.append("tr_hydra with Inductor stores a 16-bit gradient that several kernels read in 16 bits, "
+                     "where Inductor stores it converted to float32; the PyTorch modes run Inductor's own")
     return lines
 
 

@@ -137,9 +137,12 @@ def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
 
 
 def inductor_map(runtime) -> dict:
-    """The options the step's ``torch.compile`` gets: ``runtime.inductor_options`` and, with
+    """The options the step's ``torch.compile`` gets: ``runtime.inductor_options``, the graph
+    pass that keeps 16-bit gradients in 16 bits (``runtime/upcast_per_use.py``) and, with
     ``runtime.tuning=full`` (as chosen), coordinate descent."""
+    from tr_hydra.runtime.upcast_per_use import PASS
     options = dict(runtime.inductor_options)
+    options["post_grad_custom_post_pass"] = PASS
     if runtime.tuning == "full":
         options["coordinate_descent_tuning"] = True
     return options
