@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -63,7 +64,7 @@ class UpcastPerUse(CustomGraphPass):
         upcast_per_use(graph)
 
     def uuid(self) -> str:
-        return hashlib.sha256(inspect.getsource(upcast_per_use).encode()).hexdigest()
+        return _SOURCE_DIGEST
 
     def __repr__(self) -> str:  # stable: the saved store's key holds the options' repr
         return f"UpcastPerUse({self.uuid()[:12]})"
@@ -74,8 +75,7 @@ class UpcastPerUse(CustomGraphPass):
     def __hash__(self) -> int:
         return hash(UpcastPerUse)
 
-    def __lt__(self, other) -> bool:  # options are sorted as (name, value) pairs
-        return repr(self) < repr(other)
 
-
+# the whole module's source: what the pass does (its dtypes too) keys Inductor's caches
+_SOURCE_DIGEST = hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
 PASS = UpcastPerUse()
