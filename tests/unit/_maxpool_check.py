@@ -1,6 +1,5 @@
 """Run by test_maxpool.py in a subprocess with TRITON_INTERPRET=1 (or directly on a GPU): the
-forward kernel against PyTorch's max_pool2d (values and offsets, exactly), the gathering
-backward kernel against PyTorch's max_pool2d backward."""
+gathering backward kernel against PyTorch's max_pool2d backward."""
 from __future__ import annotations
 
 import sys
@@ -29,30 +28,10 @@ def main(device: str) -> int:
             off = mp.indices_to_offsets(idx, shape[-1], k, s, p)
             out = torch.empty_strided(shape, mp._grad_strides(g, shape), dtype=dt, device=device)
             mp.gather_backward_launch(g, off, out, k, s, p)
-            y_t = torch.empty_strided(y.shape, y.stride(), dtype=dt, device=device)
-            off_t = torch.empty_strided(y.shape, y.stride(), dtype=torch.int8, device=device)
-            mp.forward_launch(x.detach(), y_t, off_t, k, s, p)
-            if not torch.equal(y_t, y) or not torch.equal(off_t, off):
-                bad.append(("forward", shape, (k, s, p), cl, dt))
             err = (out.float() - ref.float()).abs().max().item()
             tol = 1e-6 if dt == torch.float32 else 1e-2 * max(1.0, ref.float().abs().max().item())
             if err > tol or out.stride() != ref.stride() and cl:
                 bad.append((shape, (k, s, p), cl, dt, err, out.stride(), ref.stride()))
-    for dt in dtypes:  # NaNs take their window as in PyTorch; a window of -inf keeps its first element
-        x = torch.randn(2, 3, 11, 12, device=device).to(dt).to(memory_format=torch.channels_last)
-        x[0, 0, 2:5, 3] = float("nan")
-        x[1, 1, :4, :5] = float("-inf")
-        x[1, 2, 6, 6:9] = float("nan")
-        # PyTorch's channels-last CUDA kernel points a window of -inf at the plane's first element
-        # (outside the window): the reference is its contiguous kernel, as its CPU kernels
-        y, idx = F.max_pool2d(x.contiguous(), 3, 2, 1, return_indices=True)
-        off = mp.indices_to_offsets(idx, x.shape[-1], 3, 2, 1)
-        y_t = torch.empty_strided(y.shape, y.stride(), dtype=dt, device=device)
-        off_t = torch.empty_strided(y.shape, y.stride(), dtype=torch.int8, device=device)
-        mp.forward_launch(x, y_t, off_t, 3, 2, 1)
-        if not (torch.equal(y_t.isnan(), y.isnan()) and torch.equal(y_t.nan_to_num(), y.nan_to_num())
-                and torch.equal(off_t, off)):
-            bad.append(("forward, NaN and -inf", dt))
     if bad:
         print("mismatch", bad)
         return 1

@@ -14,7 +14,7 @@ from torch import nn
 
 from tests.helpers import small_config
 from tr_hydra.ops.maxpool import (GatherMaxPool2d, eligible, gather_maxpools, indices_to_offsets,
-                                  maxpool_with_offsets, offsets_to_indices, uses_gather)
+                                  offsets_to_indices, uses_gather)
 from tr_hydra.train.trainer import Trainer
 
 GEOMETRIES = [((2, 5, 13, 11), (3, 2, 1)), ((3, 4, 8, 8), (2, 2, 0)), ((2, 3, 9, 10), (3, 1, 1)),
@@ -55,34 +55,6 @@ def test_offsets_are_a_byte_per_output_and_give_pytorchs_indices_back():
         off = indices_to_offsets(idx, 13, k, s, p)
         assert off.dtype == torch.int8 and int(off.min()) >= 0 and int(off.max()) < k * k
         assert torch.equal(offsets_to_indices(off, 13, k, s, p), idx)
-
-
-@pytest.mark.parametrize("shape,geom", GEOMETRIES)
-def test_the_forwards_offsets_are_those_of_pytorchs_indices(shape, geom):
-    torch.manual_seed(0)
-    k, s, p = geom
-    x = _inputs(shape, ties=True).to(memory_format=torch.channels_last)
-    y, off = maxpool_with_offsets(x, k, s, p)
-    ref, idx = F.max_pool2d(x, k, s, p, return_indices=True)
-    assert torch.equal(y, ref) and off.dtype == torch.int8 and off.stride() == ref.stride()
-    assert torch.equal(offsets_to_indices(off, shape[-1], k, s, p), idx)
-
-
-def test_under_inductor_the_forward_computes_no_64_bit_indices():
-    """Inductor computes the offsets in its own pooling: the forward graph it compiles holds its
-    pooling with offsets and none of the 64-bit index arithmetic (a division and a remainder per
-    output) that PyTorch's indices would need to become offsets."""
-    graphs = []
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-    assert gather_maxpools(m) == ["3"]
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(post_grad_custom_pre_pass=lambda g: graphs.append(
-            [str(n.target) for n in g.nodes if n.op == "call_function"])):
-        torch.compile(m, dynamic=False)(torch.randn(2, 3, 17, 17)).sum().backward()
-    torch._dynamo.reset()
-    forward = graphs[0]
-    assert "prims._low_memory_max_pool_with_offsets.default" in forward, forward
-    assert not [t for t in forward if "div" in t or "remainder" in t or "iota" in t], forward
 
 
 def test_without_grad_it_is_plain_max_pooling():

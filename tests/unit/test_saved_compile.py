@@ -181,15 +181,14 @@ def test_the_precompiler_hands_over_only_files_that_done_children_wrote(tmp_path
     assert pre.saved_forward("train_base") is None  # the main process's own variant
 
 
-def test_the_max_pooling_kernels_are_found_by_module_and_name():
-    """A saved compile that launches the max pooling's kernels (user Triton kernels) finds them
-    again by module and name when it is loaded."""
+def test_the_max_pooling_kernel_is_found_by_module_and_name():
+    """A saved compile that launches the gathering max-pool backward (a user Triton kernel) finds
+    it again by module and name when it is loaded."""
     pytest.importorskip("triton")
     from torch._dynamo.aot_compile_types import _deserialize_triton_kernel, _serialize_triton_kernel
     from tr_hydra.ops import maxpool
-    for name in ("maxpool_offsets_forward_kernel", "maxpool_gather_backward_kernel"):
-        info = _serialize_triton_kernel(getattr(maxpool, name))
-        assert info == ("tr_hydra.ops.maxpool", name)
-        assert _deserialize_triton_kernel(info) is maxpool._kernels()[name]
+    info = _serialize_triton_kernel(maxpool._kernel())
+    assert info == ("tr_hydra.ops.maxpool", "maxpool_gather_backward_kernel")
+    assert _deserialize_triton_kernel(info) is maxpool._kernel()
     with pytest.raises(AttributeError):
         maxpool.no_such_thing  # noqa: B018

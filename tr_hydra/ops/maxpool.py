@@ -6,10 +6,9 @@ offsets and with a bounds check per candidate window: on the H200 at batch 256 i
 kernel of 1.5 ms, the largest Triton kernel of ResNet-50's step, for a pass that moves about
 0.6 GB (``docs/performance.md``).
 
-Here the forward keeps, for each output, only the position of its maximum in its window as one
-byte (``kh * k + kw``): on CUDA one Triton kernel computes both; elsewhere it is Inductor's pooling
-with offsets (``prims._low_memory_max_pool_with_offsets``), or ``F.max_pool2d``'s indices
-converted. The backward is one kernel: each program takes a row
+Here the forward is PyTorch's (``F.max_pool2d`` with indices, which Inductor fuses with the
+BatchNorm and ReLU before it) and keeps, for each output, only the position of its maximum in
+its window as one byte (``kh * k + kw``). The backward is one kernel: each program takes a row
 of the input's gradient, a block of columns and channels, and for each of the (at most
 ``ceil(k / s)`` squared) windows that hold an element, adds the window's gradient if its
 maximum is that element. The sums are in float32, as PyTorch's own backward sums, and every
@@ -34,39 +33,9 @@ NUM_WARPS = 2
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
+def _kernel():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def maxpool_offsets_forward_kernel(
-            x_ptr, y_ptr, off_ptr, C, H, W, OH, OW,
-            x_sn, x_sc, x_sh, x_sw, y_sn, y_sc, y_sh, y_sw,
-            K: tl.constexpr, S: tl.constexpr, P: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
-        row = tl.program_id(0)  # n * OH + oh
-        n = (row // OH).to(tl.int64)
-        oh = row % OH
-        ow = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)[:, None]
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-        inside = (ow < OW) & (c < C)
-        best = tl.full([BLOCK_W, BLOCK_C], float("-inf"), tl.float32)
-        off = tl.full([BLOCK_W, BLOCK_C], -1, tl.int32)
-        for kh in tl.static_range(K):
-            ih = oh * S - P + kh
-            row_ok = (ih >= 0) & (ih < H)
-            for kw in tl.static_range(K):
-                iw = ow * S - P + kw
-                ok = inside & row_ok & (iw >= 0) & (iw < W)
-                v = tl.load(x_ptr + n * x_sn + c * x_sc + ih * x_sh + iw * x_sw, mask=ok,
-                            other=float("-inf")).to(tl.float32)
-                # PyTorch's rule: a greater value or a NaN takes the window; the first valid
-                # element holds it until then
-                take = ok & ((v > best) | (v != v) | (off < 0))
-                best = tl.where(take, v, best)
-                off = tl.where(take, kh * K + kw, off)
-        out = n * y_sn + c * y_sc + oh * y_sh + ow * y_sw
-        tl.store(y_ptr + out, best.to(y_ptr.dtype.element_ty), mask=inside)
-        tl.store(off_ptr + out, off.to(tl.int8), mask=inside)
 
     @triton.jit
     def maxpool_gather_backward_kernel(
@@ -98,16 +67,15 @@ def _kernels():
         tl.store(out_ptr + n * x_sn + c * x_sc + h * x_sh + w * x_sw,
                  acc.to(out_ptr.dtype.element_ty), mask=inside)
 
-    return {"maxpool_offsets_forward_kernel": maxpool_offsets_forward_kernel,
-            "maxpool_gather_backward_kernel": maxpool_gather_backward_kernel}
+    return maxpool_gather_backward_kernel
 
 
 def __getattr__(name):
-    """The two kernels, made on first use (Triton imported then): a saved compile
-    (``runtime.saved_compile``) finds the Triton kernels it launches by module and name when it
-    is loaded."""
-    if name in ("maxpool_offsets_forward_kernel", "maxpool_gather_backward_kernel"):
-        return _kernels()[name]
+    """``maxpool_gather_backward_kernel``, made on first use (Triton imported then): a saved
+    compile (``runtime.saved_compile``) finds the Triton kernels it launches by module and
+    name when it is loaded."""
+    if name == "maxpool_gather_backward_kernel":
+        return _kernel()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -123,7 +91,7 @@ def gather_backward_launch(gy: torch.Tensor, offsets: torch.Tensor, out: torch.T
                            k: int, s: int, p: int, wrap=None) -> None:
     """Run the kernel: ``out`` (N, C, H, W) gets the input gradient of a k x k, stride-s, padding-p
     max pooling, from the output gradient ``gy`` and the window offsets (both (N, C, OH, OW))."""
-    kernel = _kernels()["maxpool_gather_backward_kernel"]
+    kernel = _kernel()
     if wrap is not None:
         kernel = wrap(kernel)
     n, c, h, w = out.shape
@@ -131,20 +99,6 @@ def gather_backward_launch(gy: torch.Tensor, offsets: torch.Tensor, out: torch.T
     grid = (n * h, math.ceil(w / BLOCK_W), math.ceil(c / BLOCK_C))
     kernel[grid](gy, offsets, out, c, h, w, oh, ow, *gy.stride(), *offsets.stride(), *out.stride(),
                  K=k, S=s, P=p, NWIN=-(-k // s), BLOCK_W=BLOCK_W, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
-
-
-def forward_launch(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, k: int, s: int, p: int,
-                   wrap=None) -> None:
-    """Run the forward kernel: ``y`` and ``offsets`` (N, C, OH, OW, the same strides) get the
-    k x k, stride-s, padding-p max pooling of ``x`` (N, C, H, W) and each maximum's offset."""
-    kernel = _kernels()["maxpool_offsets_forward_kernel"]
-    if wrap is not None:
-        kernel = wrap(kernel)
-    n, c, h, w = x.shape
-    oh, ow = y.shape[-2:]
-    grid = (n * oh, math.ceil(ow / BLOCK_W), math.ceil(c / BLOCK_C))
-    kernel[grid](x, y, offsets, c, h, w, oh, ow, *x.stride(), *y.stride(),
-                 K=k, S=s, P=p, BLOCK_W=BLOCK_W, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
 
 
 def offsets_to_indices(offsets: torch.Tensor, width: int, k: int, s: int, p: int) -> torch.Tensor:
@@ -192,37 +146,12 @@ def maxpool_gather_backward(gy: torch.Tensor, offsets: torch.Tensor, height: int
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _offsets_prim():
-    """Inductor's own max pooling with one-byte offsets, or None where this PyTorch lacks it. Its
-    offsets are ours (``kh * k + kw``), and Inductor computes them in the pooling's kernel; through
-    ``F.max_pool2d``'s indices it converted them to int64 indices and back, with a 64-bit division
-    and remainder per output, in the stem's forward kernel."""
-    try:
-        import torch._inductor.inductor_prims  # noqa: F401  (defines the prims)
-        return torch.ops.prims._low_memory_max_pool_with_offsets.default
-    except (ImportError, AttributeError):
-        return None
-
-
 @torch.library.triton_op("tr_hydra::maxpool_with_offsets", mutates_args=())
 def maxpool_with_offsets(x: torch.Tensor, k: int, s: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's max pooling, and each maximum's place in its window as one byte. An operator of
     PyTorch's own kind rather than an ``autograd.Function``: AOTAutograd's cache refuses graphs
     with the latter (measured: each parallel compile's work was redone in the trainer), and
     Inductor still sees the body, so it fuses it with the BatchNorm and ReLU before it."""
-    if x.device.type == "cuda" and _triton_available():
-        n, c, h, w = x.shape
-        shape = (n, c, (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1)
-        strides = _grad_strides(x, shape)
-        y = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
-        offsets = torch.empty_strided(shape, strides, dtype=torch.int8, device=x.device)
-        from torch.library import wrap_triton
-        forward_launch(x, y, offsets, k, s, p, wrap=wrap_triton)
-        return y, offsets
-    prim = _offsets_prim()
-    if prim is not None:
-        return prim(x, [k, k], [s, s], [p, p], [1, 1], False)
     y, idx = F.max_pool2d(x, k, s, p, return_indices=True)
     return y, indices_to_offsets(idx, x.shape[-1], k, s, p)
 
