@@ -104,7 +104,7 @@ class Runtime:
         # process under other options): a compile will come (startup's cuDNN search waits for one)
         self.forward_dropped = fresh_compile_for(pc.runtime.recompute, options,
                                                  (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ())
-        forward = torch.compile(model, dynamic=False, options=options or None)
+        forward = torch.compile(model, dynamic=False, options=options)
         if pc.runtime.inductor_options:
             self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
         if inductor_compat.apply() and options.get("coordinate_descent_tuning"):

@@ -130,7 +130,7 @@ class StepExecutor:
         self.recorder = None
         self.saved_mismatch: dict[str, str] = {}  # per variant: how a loaded compile's input differed
         self._loss_fn = loss_and_metrics if not compile_loss else \
-            torch.compile(loss_and_metrics, dynamic=False, options=options or None)
+            torch.compile(loss_and_metrics, dynamic=False, options=options)
         from tr_hydra.runtime.distributed import SINGLE
         self.dist = dist_ctx or SINGLE
         self.device = arena.device
