@@ -179,7 +179,7 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
     # as a child would: compiled whole and saved on the variant's first step
     child = _runtime(pc1)
     child_file = str(tmp_path / "train_last.forward")
-    child.ex.recorder = saved_compile.Recorder({"train_last": child_file})
+    child.ex.recorder = saved_compile.Recorder({"train_last": child_file}, child.ex.compile_options)
     _fill_inputs(child, "train_last")
     child.ex.train_step("train_last", "A")
     assert os.path.exists(child_file) and not child.ex.recorder.errors
