@@ -1,11 +1,13 @@
 """Small builders shared by the tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig, RuntimeSpec,
                                          TrainerSpec, make_variants)
@@ -38,3 +40,71 @@ def run_script_with_caches(script: str, cache: Path, *args: str) -> dict:
     assert p.returncode == 0, p.stderr[-3000:]
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def assert_second_process_hits_aot_cache(probe: str, tmp_path: Path) -> None:
+    """Run ``probe`` (a script that compiles something and prints ``AOT`` and AOTAutograd's
+    counters) twice in fresh processes with one Inductor cache: the first saves to
+    AOTAutograd's cache, the second loads from it and bypasses nothing, as the parallel
+    compiles' children and the trainer rely on."""
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    seen = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                             timeout=600, cwd=root)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append([ln for ln in out.stdout.splitlines() if ln.startswith("AOT")][-1])
+    assert "autograd_cache_saved" in seen[0], seen
+    assert "autograd_cache_hit" in seen[1] and "autograd_cache_bypass" not in seen[1], seen
+
+
+class _StandIn:
+    """A compiled graph that returns empty tensors shaped as its outputs."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def call(self, args):
+        import torch
+        args.clear()
+        return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+                     for v in self.outputs)
+
+
+@contextlib.contextmanager
+def triton_code_on_cpu():
+    """Inductor's Triton code for CPU tensors, without a GPU. Within the block every graph
+    Inductor compiles is lowered by its Triton backend (``cpu_backend="triton"``, the fusion
+    decisions CUDA gets) and its generated module appended to the list yielded; nothing is
+    compiled by Triton or run: each graph returns empty tensors shaped as its outputs. Skips the
+    test where Triton or the Inductor internals this patches are missing."""
+    import pytest
+    pytest.importorskip("triton")
+    import torch
+    import torch._inductor.codegen.triton as codegen_triton
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as utils_triton
+    from torch._inductor.graph import GraphLowering
+    if not (hasattr(GraphLowering, "codegen") and hasattr(utils_triton, "triton_hash_with_backend")):
+        pytest.skip("this PyTorch's Inductor lacks what recording its Triton code on the CPU patches")
+    codes: list[str] = []
+
+    def compile_to_module(self):
+        code = self.codegen()
+        code = code[0] if isinstance(code, tuple) else code
+        codes.append(getattr(code, "value", code))
+        outputs = [n for n in self.module.graph.nodes if n.op == "output"][0].args[0]
+        return _StandIn([o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outputs])
+
+    no_hash = lambda: "none"  # noqa: E731 (the backend's hash needs a GPU driver)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(GraphLowering, "compile_to_module", compile_to_module))
+        stack.enter_context(mock.patch.object(utils_triton, "triton_hash_with_backend", no_hash))
+        if hasattr(codegen_triton, "triton_hash_with_backend"):
+            stack.enter_context(mock.patch.object(codegen_triton, "triton_hash_with_backend", no_hash))
+        # one thread: no compile workers, which would try to build the kernels
+        stack.enter_context(inductor_config.patch(cpu_backend="triton", fx_graph_cache=False, compile_threads=1))
+        yield codes

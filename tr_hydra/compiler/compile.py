@@ -170,7 +170,9 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     meta_model.to(dtype=dt)
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
     if uses_gather(device_type, pc.runtime.compile):
+        from tr_hydra.ops.relu_mask import bitmask_relus
         gather_maxpools(meta_model)  # as the runner will: it saves a byte per output, not 8-byte indices
+        bitmask_relus(meta_model)  # and a bit per ReLU output
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}

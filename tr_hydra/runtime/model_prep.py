@@ -66,6 +66,7 @@ class Prepared:
     stem_s2d: list[str] = field(default_factory=list)  # convolutions over the image in space-to-depth form
     stem_channels: int | None = None  # their input read zero-padded to a multiple of this many channels
     maxpools: list[str] = field(default_factory=list)  # max poolings whose backward gathers in one kernel
+    relus: list[str] = field(default_factory=list)  # ReLUs whose backward reads a one-bit mask
 
 
 def stem_folded(device_type: str) -> bool:
@@ -79,10 +80,12 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
     rounding. On CUDA: the stride-2 convolution over the image as a stride-1 convolution over
     2x2 blocks (``models.stem``), its input padded to 8 channels under 16-bit autocast, and,
-    with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``). On the
+    with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``) and ReLU's
+    backward reading a one-bit mask (``ops.relu_mask``). On the
     CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
     from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
+    from tr_hydra.ops.relu_mask import bitmask_relus
     out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
     if stem_folded(device.type):
         out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
@@ -94,6 +97,9 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
         if out.maxpools:
             log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "
                 f"in one kernel")
+        out.relus = bitmask_relus(model)
+        if out.relus:
+            log(f"ReLU: {len(out.relus)} modules' backward reads a one-bit mask")
     if device.type == "cpu":
         nchw_compute_on_cpu(model)
     if deterministic:

@@ -1,0 +1,101 @@
+"""ReLU whose backward reads a one-bit mask instead of a 16-bit activation.
+
+ReLU's backward needs to know where its input was positive. Inductor's step gets that from the
+ReLU's output, which the next convolution keeps for its weight gradient anyway: no memory is
+added, but every kernel of the backward that applies the mask reads that 16-bit activation
+again, two bytes per element, often in two kernels (BatchNorm's sums, then its input gradient).
+In ResNet-50 at batch 256 that is about 11 GB of the 67 GB its kernels move in a step.
+
+``BitmaskReLU`` packs the mask into bits, eight channels to a byte, in the same kernel that
+computes the ReLU, and its backward reads that byte: 1/16 of the bytes. The packed mask is kept
+for the backward beside what was kept before (1/16 of the activation: 244 MiB in the plan's
+estimate for ResNet-50 at batch 256). The output is ``x`` where the mask is set and 0 elsewhere,
+read back through the packed mask, so Inductor must compute the mask in the forward and keep it
+(a reduction it may not recompute), where a mask used only by the backward would be recomputed
+there from the output. The output is computed in the packing's loop, so the BatchNorm before it,
+the packing and the output are one kernel, as BatchNorm and ``torch.relu`` are. NaN passes as ``torch.relu`` passes it (the mask is ``not x <= 0``), and
+the gradients are the same values, summed in another order.
+
+Only where it applies: a 4-D input with a multiple of 8 channels that needs a gradient; anything
+else takes ``torch.relu``. The bytes are laid out for channels-last activations, where eight
+channels are eight neighbours in memory (tr_hydra's layout on CUDA); other layouts get the same
+numbers.
+"""
+# no ``from __future__ import annotations``: triton_op reads the signature's types as objects
+import torch
+from torch import nn
+
+
+def _shifts(device) -> torch.Tensor:
+    return torch.arange(8, device=device, dtype=torch.uint8)
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """A bool (N, C, H, W) mask as uint8 (N, H, W, C/8): bit j of byte k holds channel 8k + j."""
+    n, c, h, w = mask.shape
+    bits = mask.permute(0, 2, 3, 1).reshape(n, h, w, c // 8, 8).to(torch.uint8)
+    return torch.bitwise_left_shift(bits, _shifts(mask.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, shape) -> torch.Tensor:
+    """``pack``'s inverse: the bool (N, C, H, W) mask, in channels-last strides.
+
+    Its operations differ from the forward's (``relu_bitmask``), on purpose: shared ones would
+    be merged into one node that the forward computes, and AOTAutograd's partitioner would then
+    save the unpacked mask, a byte per element, rather than recompute it from the packed one."""
+    n, c, h, w = shape
+    values = torch.bitwise_left_shift(torch.ones((), dtype=torch.uint8, device=packed.device), _shifts(packed.device))
+    bits = torch.bitwise_and(packed.unsqueeze(-1), values) != 0
+    return bits.reshape(n, h, w, c).permute(0, 3, 1, 2)
+
+
+@torch.library.triton_op("tr_hydra::relu_bitmask", mutates_args=())
+def relu_bitmask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReLU of ``x``, and its mask packed (``pack``). An operator of PyTorch's own kind rather
+    than an ``autograd.Function``, as ``ops.maxpool``'s: AOTAutograd's cache refuses graphs with
+    the latter, and Inductor still sees the body, so it fuses it with the BatchNorm before it."""
+    n, c, h, w = x.shape
+    # the output is computed over the packed bytes' (N, H, W, C/8) positions times their 8 bits,
+    # as the packing is: one loop, so Inductor computes both in one kernel
+    x5 = x.permute(0, 2, 3, 1).reshape(n, h, w, c // 8, 8)
+    packed = pack(torch.logical_not(x <= 0))
+    bits = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(-1), _shifts(x.device)), 1).bool()
+    y = torch.where(bits, x5, torch.zeros((), dtype=x.dtype, device=x.device))
+    return y.reshape(n, h, w, c).permute(0, 3, 1, 2), packed
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.shape = inputs[0].shape
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad, _gpacked):
+    (packed,) = ctx.saved_tensors
+    return torch.where(unpack(packed, ctx.shape), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+relu_bitmask.register_autograd(_backward, setup_context=_setup_context)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether ``BitmaskReLU`` packs the mask of ``x``."""
+    return x.dim() == 4 and x.shape[1] % 8 == 0 and x.requires_grad and torch.is_grad_enabled()
+
+
+class BitmaskReLU(nn.ReLU):
+    """``nn.ReLU`` whose backward reads a one-bit mask (see the module's docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_bitmask(x)[0] if applies(x) else torch.relu(x)
+
+
+def bitmask_relus(model: nn.Module) -> list[str]:
+    """Turn each ``nn.ReLU`` of ``model`` into ``BitmaskReLU`` in place, as ``models.stem``
+    turns its convolutions (the class changes, the module stays). Returns their names."""
+    swapped = []
+    for name, m in model.named_modules():
+        if type(m) is nn.ReLU:
+            m.__class__ = BitmaskReLU
+            swapped.append(name)
+    return swapped
