@@ -116,7 +116,10 @@ def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, mon
     """The gathering max pooling through the trainer (as on CUDA with Inductor; here eager on the
     CPU, resnet18 with its stem's pooling): three steps end where the model's own pooling's do,
     and the swap is logged."""
-    from tr_hydra.ops import maxpool, relu_mask
+    from tr_hydra.ops import maxpool, reduced_linear, relu_mask
+    # the last linear layer as a reduction sums in another order, which BatchNorm amplifies past
+    # this comparison's tolerance in three steps: it is tested on its own (test_reduced_linear)
+    monkeypatch.setattr(reduced_linear, "reduced_linears", lambda model: [])
     out, logs = {}, []
     for mode in ("native", "gather"):
         torch.manual_seed(0)

@@ -36,6 +36,7 @@ class Compiled:
     compute_dtype: torch.dtype
     program: "object" = field(default=None)
     tuning: "object" = field(default=None)  # compiler.tuning.TuningChoice: runtime.tuning resolved
+    blas: bool = True  # whether the step runs a cuBLAS matrix product (``ops.reduced_linear``)
 
     @property
     def activation_estimate(self) -> int:
@@ -55,8 +56,9 @@ class Compiled:
 
     @property
     def library_workspace(self) -> int:
-        """The BLAS workspaces a CUDA run holds (none when the plan runs on the CPU)."""
-        return 0 if self.config.runtime.device == "cpu" else BLAS_WORKSPACE_BYTES
+        """The BLAS workspaces a CUDA run holds (none when the plan runs on the CPU, or when
+        its step calls no cuBLAS product)."""
+        return 0 if self.config.runtime.device == "cpu" or not self.blas else BLAS_WORKSPACE_BYTES
 
     @property
     def predicted_need(self) -> int:
@@ -169,13 +171,15 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
+    from tr_hydra.ops.reduced_linear import reduced_linears, uses_blas
     if uses_gather(device_type, pc.runtime.compile):
         from tr_hydra.ops.relu_mask import bitmask_relus
         gather_maxpools(meta_model)  # as the runner will: it saves a byte per output, not 8-byte indices
         bitmask_relus(meta_model)  # and a bit per ReLU output
+        reduced_linears(meta_model)  # and computes a few classes' products without cuBLAS
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}
-    compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice)
+    compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice, blas=uses_blas(meta_model))
     compiled.program = build_program(compiled)
     return compiled

@@ -67,6 +67,7 @@ class Prepared:
     stem_channels: int | None = None  # their input read zero-padded to a multiple of this many channels
     maxpools: list[str] = field(default_factory=list)  # max poolings whose backward gathers in one kernel
     relus: list[str] = field(default_factory=list)  # ReLUs whose backward reads a one-bit mask
+    linears: list[str] = field(default_factory=list)  # linear layers computed as reductions, not cuBLAS
 
 
 def stem_folded(device_type: str) -> bool:
@@ -80,8 +81,9 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
     rounding. On CUDA: the stride-2 convolution over the image as a stride-1 convolution over
     2x2 blocks (``models.stem``), its input padded to 8 channels under 16-bit autocast, and,
-    with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``) and ReLU's
-    backward reading a one-bit mask (``ops.relu_mask``). On the
+    with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``), ReLU's
+    backward reading a one-bit mask (``ops.relu_mask``) and a linear layer of few outputs as a
+    reduction (``ops.reduced_linear``). On the
     CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
     from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
     from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
@@ -100,6 +102,11 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
         out.relus = bitmask_relus(model)
         if out.relus:
             log(f"ReLU: {len(out.relus)} modules' backward reads a one-bit mask")
+        from tr_hydra.ops.reduced_linear import reduced_linears, uses_blas
+        out.linears = reduced_linears(model)
+        if out.linears:
+            log(f"linear: {', '.join(out.linears)} computed as a reduction Inductor compiles"
+                + ("" if uses_blas(model) else ": the step calls no cuBLAS product and holds no cuBLAS workspace"))
     if device.type == "cpu":
         nchw_compute_on_cpu(model)
     if deterministic:

@@ -1,0 +1,56 @@
+"""A classifier's last linear layer as a reduction Inductor compiles, not a cuBLAS product.
+
+cuBLAS and cuBLASLt keep a workspace per stream once a matrix product has run: 65 MiB on the
+H200, held in the captured graphs' pool for as long as the run lives (``runtime/graphs.py``).
+In a convolutional classifier the only matrix products are the last linear layer's, and with
+few classes they are tiny: CIFAR ResNet-18's is (512 x 512) @ (512 x 10) at batch 512. Computed
+as a broadcast product summed over the shared dimension, Inductor fuses each into one reduction
+kernel (forward, input gradient, weight gradient) and nothing in the step calls cuBLAS, so its
+workspace is never allocated.
+
+The products are formed and summed in float32, the bias added in float32, and the result rounded
+to the autocast dtype, as a cuBLAS bf16/fp16 product accumulates in float32 and rounds once:
+the same numbers up to the order of the sum. ``ReducedLinear`` keeps ``nn.Linear``'s
+parameters and ``state_dict``; ``reduced_linears`` turns every ``nn.Linear`` with at most
+``MAX_OUT`` outputs into one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MAX_OUT = 16  # outputs (classes) up to which the product is a reduction
+
+
+class ReducedLinear(nn.Linear):
+    """``nn.Linear`` computed as a broadcast product summed over ``in_features``, in float32 (or
+    the inputs' wider dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        common = torch.promote_types(x.dtype, self.weight.dtype)
+        autocast = kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else common
+        acc = torch.promote_types(common, torch.float32)
+        y = (x.to(acc).unsqueeze(-1) * self.weight.to(acc).t()).sum(-2)
+        if self.bias is not None:
+            y = y + self.bias.to(acc)
+        return y.to(dtype)
+
+
+def reduced_linears(model: nn.Module, max_out: int = MAX_OUT) -> list[str]:
+    """Turn each ``nn.Linear`` of ``model`` with at most ``max_out`` outputs into
+    ``ReducedLinear`` in place, as ``models.stem`` turns its convolutions (the class changes,
+    the module and its parameters stay). Returns their names."""
+    swapped = []
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and m.out_features <= max_out:
+            m.__class__ = ReducedLinear
+            swapped.append(name)
+    return swapped
+
+
+def uses_blas(model: nn.Module) -> bool:
+    """Whether ``model`` has a linear layer left that runs as a cuBLAS product."""
+    return any(isinstance(m, (nn.Linear, nn.Bilinear, nn.MultiheadAttention)) and not isinstance(m, ReducedLinear)
+               for m in model.modules())
