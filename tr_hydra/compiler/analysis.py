@@ -164,7 +164,8 @@ def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torc
               train: bool, recompute: bool = False, memo: bool = True) -> ShapeReport:
     """Run the model on the meta device: output shape and bytes autograd saves for backward.
     ``recompute``: count only what is saved when pointwise results (BatchNorm, ReLU, adds) are
-    recomputed in the backward: the outputs of ``SAVED_UNDER_RECOMPUTE`` modules."""
+    recomputed in the backward: the outputs of ``SAVED_UNDER_RECOMPUTE`` modules (and of the
+    gathering max pooling), and the integer tensors ops save for their own backward."""
     x = torch.empty(batch, channels, res, res, device="meta", dtype=dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     # parameters and the input live in the arena: not part of the activation pool
@@ -179,14 +180,17 @@ def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torc
         if isinstance(out, torch.Tensor):
             kept.add(out.untyped_storage()._cdata)
             alive.append(out)
-    hooks = ([m.register_forward_hook(keep) for m in model.modules() if isinstance(m, SAVED_UNDER_RECOMPUTE)]
-             if recompute and train else [])
+    from tr_hydra.ops.maxpool import GatherMaxPool2d
+    hooks = ([m.register_forward_hook(keep) for m in model.modules()
+              if isinstance(m, SAVED_UNDER_RECOMPUTE + (GatherMaxPool2d,))] if recompute and train else [])
 
     recomputed: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
         st = t.untyped_storage()
-        if recompute and st._cdata not in kept:
+        # integer and bool tensors an op saves for its own backward (max pooling's offsets,
+        # ReLU's packed mask) are not recomputed either
+        if recompute and st._cdata not in kept and t.is_floating_point():
             if st._cdata not in arena_storages:
                 recomputed[st._cdata] = max(recomputed.get(st._cdata, 0), st.nbytes())
                 alive.append(t)
