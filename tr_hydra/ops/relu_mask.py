@@ -4,17 +4,19 @@ ReLU's backward needs to know where its input was positive. Inductor's step gets
 ReLU's output, which the next convolution keeps for its weight gradient anyway: no memory is
 added, but every kernel of the backward that applies the mask reads that 16-bit activation
 again, two bytes per element, often in two kernels (BatchNorm's sums, then its input gradient).
-In ResNet-50 at batch 256 that is about 11 GB of the 67 GB its kernels move in a step.
+In ResNet-50 at batch 256 that is 11 GB of the 67.5 GB its kernels move in a step, by
+Inductor's count of its generated code (``docs/results/step_bytes.py``).
 
 ``BitmaskReLU`` packs the mask into bits, eight channels to a byte, in the same kernel that
 computes the ReLU, and its backward reads that byte: 1/16 of the bytes. The packed mask is kept
-for the backward beside what was kept before (1/16 of the activation: 244 MiB in the plan's
-estimate for ResNet-50 at batch 256). The output is ``x`` where the mask is set and 0 elsewhere,
-read back through the packed mask, so Inductor must compute the mask in the forward and keep it
-(a reduction it may not recompute), where a mask used only by the backward would be recomputed
-there from the output. The output is computed in the packing's loop, so the BatchNorm before it,
-the packing and the output are one kernel, as BatchNorm and ``torch.relu`` are. NaN passes as ``torch.relu`` passes it (the mask is ``not x <= 0``), and
-the gradients are the same values, summed in another order.
+for the backward beside what was kept before (1/16 of the activation: 293 MiB for ResNet-50 at
+batch 256; on the H200 its peak rose 298 MiB and its step ran 5.8% faster, ``docs/performance.md``).
+The output is ``x`` where the mask is set and 0 elsewhere, read back through the packed mask, so
+Inductor must compute the mask in the forward and keep it (a reduction it may not recompute),
+where a mask used only by the backward would be recomputed there from the output. The output is
+computed in the packing's loop, so the BatchNorm before it, the packing and the output are one
+kernel, as BatchNorm and ``torch.relu`` are. NaN passes as ``torch.relu`` passes it (the mask is
+``not x <= 0``), and the gradients are the same values, summed in another order.
 
 Only where it applies: a 4-D input with a multiple of 8 channels that needs a gradient; anything
 else takes ``torch.relu``. The bytes are laid out for channels-last activations, where eight
