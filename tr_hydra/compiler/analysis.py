@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from tr_hydra.errors import ModelMappingError
+from tr_hydra.ops.maxpool import GatherMaxPool2d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -157,15 +158,15 @@ class ShapeReport:
 # Modules whose outputs Inductor's partitioner never recomputes in the backward (convolutions,
 # matrix products, pooling); with ``runtime.recompute=pointwise`` they are all it saves.
 SAVED_UNDER_RECOMPUTE = (nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
-                         nn.AdaptiveMaxPool2d)
+                         nn.AdaptiveMaxPool2d, GatherMaxPool2d)
 
 
 def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torch.dtype,
               train: bool, recompute: bool = False, memo: bool = True) -> ShapeReport:
     """Run the model on the meta device: output shape and bytes autograd saves for backward.
     ``recompute``: count only what is saved when pointwise results (BatchNorm, ReLU, adds) are
-    recomputed in the backward: the outputs of ``SAVED_UNDER_RECOMPUTE`` modules (and of the
-    gathering max pooling), and the integer tensors ops save for their own backward."""
+    recomputed in the backward: the outputs of ``SAVED_UNDER_RECOMPUTE`` modules, and the integer
+    tensors ops save for their own backward."""
     x = torch.empty(batch, channels, res, res, device="meta", dtype=dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     # parameters and the input live in the arena: not part of the activation pool
@@ -180,9 +181,8 @@ def propagate(model: nn.Module, batch: int, channels: int, res: int, dtype: torc
         if isinstance(out, torch.Tensor):
             kept.add(out.untyped_storage()._cdata)
             alive.append(out)
-    from tr_hydra.ops.maxpool import GatherMaxPool2d
-    hooks = ([m.register_forward_hook(keep) for m in model.modules()
-              if isinstance(m, SAVED_UNDER_RECOMPUTE + (GatherMaxPool2d,))] if recompute and train else [])
+    hooks = ([m.register_forward_hook(keep) for m in model.modules() if isinstance(m, SAVED_UNDER_RECOMPUTE)]
+             if recompute and train else [])
 
     recomputed: dict[int, int] = {}
 

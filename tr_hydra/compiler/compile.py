@@ -170,13 +170,11 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
-    from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
-    from tr_hydra.ops.reduced_linear import reduced_linears, uses_blas
+    from tr_hydra.ops.maxpool import uses_gather
+    from tr_hydra.ops.reduced_linear import uses_blas
     if uses_gather(device_type, pc.runtime.compile):
-        from tr_hydra.ops.relu_mask import bitmask_relus
-        gather_maxpools(meta_model)  # as the runner will: it saves a byte per output, not 8-byte indices
-        bitmask_relus(meta_model)  # and a bit per ReLU output
-        reduced_linears(meta_model)  # and computes a few classes' products without cuBLAS
+        from tr_hydra.runtime.model_prep import swap_step_ops
+        swap_step_ops(meta_model)  # as the runner will: a byte per pooled output, a bit per ReLU output
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}

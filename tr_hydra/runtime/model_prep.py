@@ -76,6 +76,18 @@ def stem_folded(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def swap_step_ops(model: torch.nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """The modules whose computation a step that Inductor compiles on CUDA takes from ``ops``,
+    turned in place: max pooling with the gathering backward (``ops.maxpool``), ReLU with the
+    one-bit mask (``ops.relu_mask``), a linear layer of few outputs as a reduction
+    (``ops.reduced_linear``). The run (``prepare``) and the plan's estimate (``compile_plan``)
+    both call this, so the plan counts what the run keeps. Returns the names of each kind."""
+    from tr_hydra.ops.maxpool import gather_maxpools
+    from tr_hydra.ops.reduced_linear import reduced_linears
+    from tr_hydra.ops.relu_mask import bitmask_relus
+    return gather_maxpools(model), bitmask_relus(model), reduced_linears(model)
+
+
 def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, compile_mode: str,
             deterministic: bool, log=print) -> Prepared:
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
@@ -86,8 +98,7 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
     reduction (``ops.reduced_linear``). On the
     CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
     from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
-    from tr_hydra.ops.maxpool import gather_maxpools, uses_gather
-    from tr_hydra.ops.relu_mask import bitmask_relus
+    from tr_hydra.ops.maxpool import uses_gather
     out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
     if stem_folded(device.type):
         out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
@@ -95,16 +106,14 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
             log(f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution")
     image_input_recomputed(model, first_convs, out.stem_channels)
     if uses_gather(device.type, compile_mode):
-        out.maxpools = gather_maxpools(model)
+        out.maxpools, out.relus, out.linears = swap_step_ops(model)
         if out.maxpools:
             log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "
                 f"in one kernel")
-        out.relus = bitmask_relus(model)
         if out.relus:
             log(f"ReLU: {len(out.relus)} modules' backward reads a one-bit mask")
-        from tr_hydra.ops.reduced_linear import reduced_linears, uses_blas
-        out.linears = reduced_linears(model)
         if out.linears:
+            from tr_hydra.ops.reduced_linear import uses_blas
             log(f"linear: {', '.join(out.linears)} computed as a reduction Inductor compiles"
                 + ("" if uses_blas(model) else ": the step calls no cuBLAS product and holds no cuBLAS workspace"))
     if device.type == "cpu":
