@@ -1,6 +1,7 @@
 """Coordinate descent tunes only kernels over ``tuned_kernels.MIN_ELEMENTS`` on the GPU: the
-small ones keep Inductor's config, and a second process that loads the compiled step from the
-cache runs no benchmark at all (``tr_hydra.runtime.tuned_kernels``)."""
+small ones keep Inductor's config, a variant left untuned keeps every config, and a second
+process that loads the compiled step from the cache runs no benchmark at all
+(``tr_hydra.runtime.tuned_kernels``)."""
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 from tr_hydra.runtime import inductor_compat, tuned_kernels
 inductor_compat.apply()
-if sys.argv[1] == "rule":
+if sys.argv[1] in ("rule", "untuned"):
     tuned_kernels.apply()
+variant = tuned_kernels.for_variant(sys.argv[1] != "untuned")  # "untuned": a variant runtime.tuning left out
+variant.__enter__()
 torch.manual_seed(0)
 m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
                   nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
@@ -50,9 +53,11 @@ def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
     assert 0 < first["benchmarks"] < every["benchmarks"]
     again = _run(tmp_path / "rule", "rule")  # loads the compile and the tuned configs
     assert again["hit"] >= 2 and again["benchmarks"] == 0 and again["counts"]["tuned"] == 0
+    off = _run(tmp_path / "untuned", "untuned")  # a variant left untuned: not one benchmark
+    assert off["benchmarks"] == 0 and off["counts"]["tuned"] == 0 and off["counts"]["kept"] > first["counts"]["kept"]
     # the same step, whatever configs the kernels run with: within twice the bf16 step's own
     # distance from PyTorch's fp32 eager step
     for key in ("loss", "grad"):
         scale = abs(every[key] - every[f"ref_{key}"])
-        for r in (first, again):
+        for r in (first, again, off):
             assert abs(r[key] - every[key]) <= 2 * scale + 1e-7, (key, r[key], every[key], scale)

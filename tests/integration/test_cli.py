@@ -55,18 +55,21 @@ def test_tr_plan_json(tmp_path):
 
 def test_tr_plan_says_whether_a_cuda_run_would_tune_and_why(tmp_path):
     """runtime.tuning=auto, planned for CUDA on any machine: the MLPerf recipe's 37 ImageNet epochs
-    tune, two short epochs do not; the line gives the estimate, the JSON its figures; on the CPU
-    there is nothing to tune."""
+    tune their full training batch (not the last batches nor validation), two short epochs
+    nothing; the line gives the estimate, the JSON its figures; on the CPU nothing is tuned."""
     ml = ("recipe=resnet50_imagenet_mlperf", "data=synthetic", "variants.train_size=1281167",
           "variants.val_size=50000", "runtime.device=cuda")
     long = run("tr-plan", *ml, cwd=tmp_path)
     assert long.returncode == 0, long.stderr
     line = next(ln for ln in long.stdout.splitlines() if ln.startswith("runtime.tuning="))
-    assert line.startswith("runtime.tuning=auto: coordinate descent on (192,437 steps of about "), line
+    assert line.startswith("runtime.tuning=auto: coordinate descent on train_base (train_base: 185,148 steps of about "), line
+    assert "train_last: 37 steps of about" in line and "val_base: 7,215 steps of about" in line, line
     short = run("tr-plan", *ml, "trainer.epochs=2", "variants.train_size=16384", "variants.val_size=512",
                 "plan.format=json", cwd=tmp_path)
     t = json.loads(short.stdout)["tuning"]
-    assert not t["tune"] and t["asked"] == "auto" and 0 < t["saving_seconds"] < t["cost_seconds"], t
+    assert not t["tune"] and t["asked"] == "auto" and t["variants"] == [], t
+    base = t["estimates"]["train_base"]
+    assert base["steps"] == 2 * 64 and 0 < base["saving"] < base["cost"] and not base["tune"], t
     from tr_hydra.cli._common import compose
     from tr_hydra.cli.plan import plan_table
     from tr_hydra.compiler.compile import compile_plan

@@ -83,7 +83,10 @@ def test_the_key_follows_what_the_compiled_code_depends_on_and_nothing_else(monk
               "amp": (dataclasses.replace(pc, amp=True), "train_base", CPU),
               "folded": (dataclasses.replace(pc, bn_folded=True), "train_base", CPU),
               "optimizer": (dataclasses.replace(pc, optimizer=OptimizerSpec(name="adamw")), "train_base", CPU),
-              "device": (pc, "train_base", torch.device("meta"))}
+              "device": (pc, "train_base", torch.device("meta")),
+              # runtime.tuning=full, but this variant left untuned (compiler/tuning.py)
+              "untuned": (dataclasses.replace(_rt(pc, tuning="full"), tuned_variants=("train_lowres",)),
+                          "train_base", CPU)}
     differ |= {f"runtime.{k}": (_rt(pc, **{k: v}), "train_base", CPU) for k, v in _KEYED.items()}
     keys = {k: st.store_key(*a) for k, a in differ.items()}
     assert all(k != key for k in keys.values()), keys

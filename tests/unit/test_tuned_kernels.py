@@ -83,6 +83,43 @@ def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
     assert tk.COUNTS == {"tuned": 0, "kept": 1}
 
 
+def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
+    method, calls = wrapped
+    with tk.for_variant(False):
+        kept = Launcher(64)
+        assert method(Kernel({"x": 64, "r0_": 802_816}), kept) is kept and kept.config.found_by_coordesc
+        with tk.for_variant(True):
+            best = method(Kernel({"x": 64, "r0_": 802_816}), Launcher(64))
+            assert len(calls) == 1 and best.config.kwargs == {"XBLOCK": 1024}
+        assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 64}  # still off
+    # outside a step: by size alone
+    assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 1024}
+    assert tk.COUNTS == {"tuned": 2, "kept": 2}
+
+
+def test_the_executor_says_which_variant_it_runs(monkeypatch):
+    """Each step tells the rule whether its variant is tuned (``PlanConfig.tunes``), before any
+    of its kernels launches."""
+    import dataclasses
+    from tests.helpers import small_config
+    from tr_hydra.runtime.build import Runtime
+    rt = Runtime(small_config(lowres_epochs=1), log=lambda *_: None, source=False)
+    pc = rt.ex.pc
+    rt.ex.pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, tuning="full"),
+                                   tuned_variants=("train_lowres",))
+    said = []
+    original = tk.for_variant
+
+    def recording(tuned):
+        said.append(tuned)
+        return original(tuned)
+    monkeypatch.setattr(tk, "for_variant", recording)
+    rt.ex.train_step("train_base")
+    rt.ex.train_step("train_lowres")
+    rt.ex.val_step("val_base")
+    assert said == [False, True, False] and tk._VARIANT == [True]
+
+
 @pytest.mark.parametrize("tune", [True, False])
 def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
     import dataclasses

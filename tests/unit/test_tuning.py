@@ -69,26 +69,35 @@ def test_forward_flops_of_a_small_net_by_hand():
     assert net.training  # left as it was
 
 
-def test_the_choice_weighs_saving_against_cost():
+def test_each_variant_weighs_its_saving_against_its_cost():
+    """A variant is tuned when GAIN of its steps' estimated seconds exceeds TUNE_SECONDS_PER_NORM
+    per BatchNorm layer (VAL_SHARE of it for a validation variant), each computed here by hand."""
     pc = _pc(*SMALL, "trainer.epochs=3")
-    flops = {32: 1_000_000}
     steps = tuning.run_steps(pc)
-    seconds = sum(n * (3 if pc.variant(v).train else 1) * flops[32] * pc.variant(v).batch
-                  for v, n in steps.items()) / tuning.STEP_FLOPS_PER_S
-    # the number of BatchNorm layers where the cost equals the saving: one fewer tunes, one more does not
-    even = tuning.GAIN * seconds / tuning.TUNE_SECONDS_PER_NORM
-    flops = {32: flops[32] * 1e6}  # a long enough run for some BatchNorm layers to pay
-    seconds *= 1e6
-    even *= 1e6
-    below, above = int(even), int(even) + 1
-    yes = tuning.choose(pc, "cuda", True, flops, below)
-    no = tuning.choose(pc, "cuda", True, flops, above)
-    assert yes.tune and not no.tune
-    assert yes.train_seconds == pytest.approx(seconds) and yes.saving_seconds == pytest.approx(tuning.GAIN * seconds)
-    assert yes.cost_seconds == pytest.approx(tuning.TUNE_SECONDS_PER_NORM * below)
-    assert "above the tuning's" in yes.describe() and "below the tuning's" in no.describe()
-    assert yes.describe().startswith("runtime.tuning=auto: coordinate descent on (")
-    assert no.describe().startswith("runtime.tuning=auto: no tuning (")
+    assert set(steps) == {"train_base", "train_last", "val_base", "val_last"}
+    flops = {32: 1.234567e15}  # train_base's even point between two whole numbers of layers
+    seconds = {v: n * (3 if pc.variant(v).train else 1) * flops[32] * pc.variant(v).batch / tuning.STEP_FLOPS_PER_S
+               for v, n in steps.items()}
+    # the BatchNorm layers at which train_base's saving equals its cost: one fewer tunes it
+    even = tuning.GAIN * seconds["train_base"] / tuning.TUNE_SECONDS_PER_NORM
+    norms = int(even)
+    choice = tuning.choose(pc, "cuda", True, flops, norms)
+    want = {}
+    for v, sec in seconds.items():
+        cost = tuning.TUNE_SECONDS_PER_NORM * norms * (1 if pc.variant(v).train else tuning.VAL_SHARE)
+        want[v] = tuning.GAIN * sec > cost
+        e = choice.estimates[v]
+        assert e.steps == steps[v] and e.seconds == pytest.approx(sec)
+        assert e.saving == pytest.approx(tuning.GAIN * sec) and e.cost == pytest.approx(cost)
+    assert want["train_base"] and not want["train_last"]  # 45 steps of 64 against 3 of 40
+    assert choice.variants == tuple(v for v in steps if want[v]) and choice.tune
+    assert choice.describe().startswith("runtime.tuning=auto: coordinate descent on train_base")
+    assert "train_last: 3 steps of about" in choice.describe() and "below the tuning's" in choice.describe()
+    none = tuning.choose(pc, "cuda", True, flops, int(even) + 1)
+    assert not none.tune and none.variants == ()
+    assert none.describe().startswith("runtime.tuning=auto: no tuning (train_base: ")
+    js = choice.to_json()
+    assert js["variants"] == list(choice.variants) and js["estimates"]["train_base"]["tune"] is True
 
 
 def test_the_choice_on_the_cpu_without_inductor_and_as_asked():
@@ -97,7 +106,7 @@ def test_the_choice_on_the_cpu_without_inductor_and_as_asked():
     assert "on the CPU" in tuning.choose(pc, "cpu", True, {}, 3).reason
     assert "runtime.compile=none" in tuning.choose(pc, "cuda", False, {}, 3).reason
     full = _pc(*SMALL, "runtime.tuning=full")
-    assert tuning.choose(full, "cuda", True, {}, 3).tune
+    assert tuning.choose(full, "cuda", True, {}, 3).variants == ("train_base", "train_last", "val_base", "val_last")
     assert not tuning.choose(full, "cpu", True, {}, 3).tune  # nothing to tune there
     assert not tuning.choose(_pc(*SMALL, "runtime.tuning=none"), "cuda", True, {}, 3).tune
 
@@ -112,12 +121,18 @@ def test_resolved_config_and_the_options_it_compiles_with():
                                 train_size=16384, val_size=512)
     model = instantiate_model(long, "meta")
     got, choice = tuning.resolve(long, model, "cuda", True)
-    assert choice.tune and got.runtime.tuning == "full"
+    # the full training batch, not the partial one of each epoch nor validation
+    assert choice.variants == ("train_base",) and got.runtime.tuning == "full" and got.tuned_variants == ("train_base",)
+    assert [v.name for v in got.variants if got.tunes(v.name)] == ["train_base"]
     assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
     again, second = tuning.resolve(got, model, "cuda", True)
-    assert again == got and second.tune and second.reason == "as asked"
+    assert again == got and second.variants == ("train_base",) and second.reason == "as asked"
     got, choice = tuning.resolve(short, model, "cuda", True)
     assert not choice.tune and got.runtime.tuning == "none" and tuning.inductor_map(got.runtime) == {"post_grad_custom_post_pass": PASS}
+    assert not any(got.tunes(v.name) for v in got.variants)
+    asked = dataclasses.replace(short, runtime=dataclasses.replace(short.runtime, tuning="full"))
+    got, choice = tuning.resolve(asked, model, "cuda", True)
+    assert all(got.tunes(v.name) for v in got.variants) and choice.variants == tuple(v.name for v in got.variants)
     # the ImageNet run's estimate: 37 epochs of 5,005 steps and 196 validation steps, at the
     # figures measured on the H200 (a 256x224 step in 34.9 ms: 3 x 8.18 GFLOP x 256 / 1.8e14)
     assert tuning.run_steps(long) == {"train_base": 37 * 5004, "train_last": 37, "val_base": 37 * 195,

@@ -4,18 +4,20 @@ Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the nei
 Triton kernel's block sizes at its first launch and keeps the fastest; tr_hydra gives it only the
 kernels large enough to gain (``runtime/tuned_kernels.py``). On the H200 it makes ResNet-50's step
 5-10% faster and costs about two minutes more before the first step: worth it for an ImageNet run
-of 37 epochs, a loss for a short one. ``auto`` weighs the two before anything
-compiles:
+of 37 epochs, a loss for a short one. ``auto`` weighs the two for each variant (each is a compile
+of its own) before anything compiles:
 
 - the run's steps per variant come from the plan (epochs, the low-resolution epochs, last
   batches, validation, ``trainer.max_steps``);
 - each step's time is estimated from the model's multiply-adds at the variant's shape (counted on
   the meta device, a training step as three forwards) at ``STEP_FLOPS_PER_S``;
 - the saving is ``GAIN`` of those seconds; the cost ``TUNE_SECONDS_PER_NORM`` per BatchNorm
-  layer (the kernels that are tuned are mostly BatchNorm's and ReLU's; the variants' children
-  tune side by side, so one variant's figure is the run's).
+  layer for a training variant (the kernels that are tuned are mostly BatchNorm's and ReLU's),
+  ``VAL_SHARE`` of it for a validation one (its forward alone).
 
-It tunes when the saving exceeds the cost. The constants are measured on the H200
+A variant is tuned when its saving exceeds its cost: in an ImageNet run the full training batch,
+not the one partial batch per epoch nor validation, whose tuning would take the GPU from the
+training batch's in the parallel compiles for seconds of gain. The constants are measured
 (``docs/performance.md``, "Compile effort"). The choice depends on the plan alone, so a rerun of
 the same config chooses the same; tuned kernels are kept in Inductor's cache and in the saved
 store, and a later run of the same plan loads them without tuning again.
@@ -23,7 +25,7 @@ store, and a later run of the same plan loads them without tuning again.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,23 +39,41 @@ GAIN = 0.05
 # tuned (runtime/tuned_kernels.py): coordinate descent took 134 s of the training variant's compile,
 # first steps after 190.1 s (2026-12-03; 282.3 s with every kernel tuned, 70.6 s untuned)
 TUNE_SECONDS_PER_NORM = 2.5
+# a validation variant's coordinate descent against a training variant's of the same plan:
+# ResNet-50's 80x224 validation batch 28.5 s, its 143x224 training batch 165.9 s (H100, 2026-12-05)
+VAL_SHARE = 0.17
+
+
+@dataclass(frozen=True)
+class VariantEstimate:
+    steps: int              # the run's steps of the variant
+    seconds: float          # their estimated time
+    saving: float           # GAIN of it
+    cost: float             # the tuning's estimated seconds
+
+    @property
+    def tune(self) -> bool:
+        return self.saving > self.cost
 
 
 @dataclass(frozen=True)
 class TuningChoice:
-    tune: bool
     asked: str                      # runtime.tuning as given: auto | none | full
     reason: str
-    train_seconds: float | None = None   # estimated seconds of steps over the run
-    saving_seconds: float | None = None
-    cost_seconds: float | None = None
+    variants: tuple[str, ...] = ()  # the variants whose kernels coordinate descent tunes
+    estimates: dict = field(default_factory=dict)  # auto: per variant, a VariantEstimate
+
+    @property
+    def tune(self) -> bool:
+        return bool(self.variants)
 
     def describe(self) -> str:
-        what = "coordinate descent on" if self.tune else "no tuning"
+        what = f"coordinate descent on {', '.join(self.variants)}" if self.tune else "no tuning"
         return f"runtime.tuning={self.asked}: {what} ({self.reason})"
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"tune": self.tune, "asked": self.asked, "reason": self.reason, "variants": list(self.variants),
+                "estimates": {k: dataclasses.asdict(e) | {"tune": e.tune} for k, e in self.estimates.items()}}
 
 
 def forward_flops(model: torch.nn.Module, channels: int, res: int) -> int:
@@ -101,39 +121,53 @@ def run_steps(pc) -> dict[str, int]:
     return counts
 
 
+def estimates(pc, flops_by_res: dict[int, int], norm_layers: int) -> dict[str, VariantEstimate]:
+    """Per variant of ``pc`` that the run takes: its steps, their seconds, the saving and the cost
+    of tuning it. ``flops_by_res``: one image's forward FLOPs per resolution."""
+    out = {}
+    for name, n in run_steps(pc).items():
+        v = pc.variant(name)
+        seconds = n * (3 if v.train else 1) * flops_by_res[v.res] * v.batch / STEP_FLOPS_PER_S
+        cost = TUNE_SECONDS_PER_NORM * norm_layers * (1.0 if v.train else VAL_SHARE)
+        out[name] = VariantEstimate(n, seconds, GAIN * seconds, cost)
+    return out
+
+
 def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], norm_layers: int) -> TuningChoice:
     """``runtime.tuning`` resolved for a run of ``pc`` on ``device_type`` (``inductor``: whether
     Inductor compiles the step). ``flops_by_res``: one image's forward FLOPs per resolution."""
     asked = pc.runtime.tuning
     if device_type != "cuda" or not inductor:
         where = "on the CPU" if device_type != "cuda" else "without Inductor (runtime.compile=none)"
-        return TuningChoice(False, asked, f"no Triton kernels to tune {where}")
-    if asked != "auto":
-        return TuningChoice(asked == "full", asked, "as asked")
-    steps = run_steps(pc)
-    seconds = 0.0
-    for v in pc.variants:
-        n = steps.get(v.name, 0)
-        seconds += n * (3 if v.train else 1) * flops_by_res[v.res] * v.batch / STEP_FLOPS_PER_S
-    saving, cost = GAIN * seconds, TUNE_SECONDS_PER_NORM * norm_layers
-    total = sum(steps.values())
-    why = (f"{total:,} steps of about {seconds:,.0f} s in all; {GAIN:.0%} of it saved, {saving:,.0f} s, "
-           f"{'above' if saving > cost else 'below'} the tuning's {cost:,.0f} s; "
-           f"runtime.tuning=full or none to choose")
-    return TuningChoice(saving > cost, asked, why, seconds, saving, cost)
+        return TuningChoice(asked, f"no Triton kernels to tune {where}")
+    if asked == "none":
+        return TuningChoice(asked, "as asked")
+    if asked == "full":  # every variant, or those an earlier resolution of the plan chose
+        chosen = pc.tuned_variants if pc.tuned_variants is not None else tuple(v.name for v in pc.variants)
+        return TuningChoice(asked, "as asked", chosen)
+    est = estimates(pc, flops_by_res, norm_layers)
+    tuned = tuple(k for k, e in est.items() if e.tune)
+    parts = []
+    for name, e in est.items():
+        sign = "above" if e.tune else "below"
+        parts.append(f"{name}: {e.steps:,} steps of about {e.seconds:,.0f} s, {GAIN:.0%} saved "
+                     f"{e.saving:,.0f} s {sign} the tuning's {e.cost:,.0f} s")
+    why = "; ".join(parts) + "; runtime.tuning=full or none to choose"
+    return TuningChoice(asked, why, tuned, est)
 
 
 def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
-    """``(pc with runtime.tuning as chosen, the choice)``: ``full`` or ``none``, so that every
-    process of the run (the parallel compiles receive it) compiles, and keys its saved compiles,
-    alike. ``meta_model``: the plan's model on the meta device; ``device_type`` and ``inductor``:
-    the run's device type and whether Inductor compiles its step."""
+    """``(pc with runtime.tuning as chosen, the choice)``: ``full`` with the tuned variants in
+    ``pc.tuned_variants``, or ``none``, so that every process of the run (the parallel compiles
+    receive it) compiles, tunes and keys its saved compiles alike. ``meta_model``: the plan's
+    model on the meta device; ``device_type`` and ``inductor``: the run's device type and
+    whether Inductor compiles its step."""
     counting = device_type == "cuda" and inductor and pc.runtime.tuning == "auto"
     flops = {r: forward_flops(meta_model, pc.data.channels, r) for r in {v.res for v in pc.variants}} if counting else {}
     norms = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in meta_model.modules())
     choice = choose(pc, device_type, inductor, flops, norms)
     tuned = dataclasses.replace(pc.runtime, tuning="full" if choice.tune else "none")
-    return dataclasses.replace(pc, runtime=tuned), choice
+    return dataclasses.replace(pc, runtime=tuned, tuned_variants=choice.variants), choice
 
 
 def inductor_map(runtime) -> dict:

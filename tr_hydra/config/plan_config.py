@@ -79,6 +79,9 @@ class PlanConfig:
     share_grad16: bool = True   # AMP: the 16-bit gradient regions lie on the A regions' bytes
     seed: int = 0
     resume: str | None = None   # a checkpoint path, or "auto": the newest valid one in the run dir
+    # the variants coordinate descent tunes, as runtime.tuning resolved them (compiler/tuning.py);
+    # None: every variant, where runtime.tuning=full
+    tuned_variants: tuple[str, ...] | None = None
 
     def describe(self) -> dict:
         """What a person recognises a plan by (named when a checkpoint does not fit)."""
@@ -98,6 +101,10 @@ class PlanConfig:
             if v.name == name:
                 return v
         raise KeyError(name)
+
+    def tunes(self, variant: str) -> bool:
+        """Whether coordinate descent tunes ``variant``'s kernels (``runtime.tuning`` resolved)."""
+        return self.runtime.tuning == "full" and (self.tuned_variants is None or variant in self.tuned_variants)
 
     def has_variant(self, name: str) -> bool:
         return any(v.name == name for v in self.variants)

@@ -22,7 +22,7 @@ from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
 from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
 from tr_hydra.ops import range_ops as ops
 from tr_hydra.ops.optimizers import HyperScalars
-from tr_hydra.runtime import range_nodes
+from tr_hydra.runtime import range_nodes, tuned_kernels
 
 R = Region
 BUFFERS = ("A", "B")
@@ -348,12 +348,13 @@ class StepExecutor:
     # ------------------------------------------------------------------ steps
     def train_step(self, variant: str, buffer: str = "A") -> None:
         ctx = StepContext(variant, buffer)
-        for fn in self.train_ops:
-            fn(ctx)
+        with tuned_kernels.for_variant(self.pc.tunes(variant)):  # a first launch tunes its kernels or not
+            for fn in self.train_ops:
+                fn(ctx)
 
     def val_step(self, variant: str, buffer: str = "A", into: str = "val") -> None:
         ctx = StepContext(variant, buffer, extra={"into": into})
-        with torch.no_grad():
+        with torch.no_grad(), tuned_kernels.for_variant(self.pc.tunes(variant)):
             for fn in self.val_ops:
                 fn(ctx)
 

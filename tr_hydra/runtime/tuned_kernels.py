@@ -9,6 +9,10 @@ per-channel finish of BatchNorm's statistics and of its parameter gradients, the
 split reduction, the loss. Each runs for a few microseconds whatever its block sizes, so those
 keep the config Inductor chose, and only kernels of ``MIN_ELEMENTS`` or more are tuned.
 
+Nor are the kernels of a variant that ``runtime.tuning`` left untuned (``compiler/tuning.py``:
+``PlanConfig.tunes``): Inductor's options are the same for every variant (one ``torch.compile``),
+so the step executor says which variant it runs (:func:`for_variant`) and the rule follows.
+
 The rule is applied where the kernel is first launched, in the process that tunes (the parallel
 compiles' children and the training process alike), by wrapping
 ``CachingAutotuner.coordinate_descent_tuning``. A kept kernel's config is marked as settled, so
@@ -17,6 +21,7 @@ later process that loads it makes the same choice.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 # 2^20 elements: above every per-channel or per-split kernel of the models here (at most a few
@@ -28,6 +33,7 @@ MIN_ELEMENTS = 1 << 20
 
 _APPLIED: list = []  # the original method, once wrapped
 COUNTS = {"tuned": 0, "kept": 0}  # kernels this process tuned, and kept at Inductor's config
+_VARIANT = [True]  # whether the variant the executor runs now is tuned
 
 
 def elements(size_hints) -> int:
@@ -44,6 +50,17 @@ def worth_tuning(size_hints, least: int = MIN_ELEMENTS) -> bool:
     return elements(size_hints) >= least
 
 
+@contextlib.contextmanager
+def for_variant(tuned: bool):
+    """The kernels first launched inside belong to a variant that is (``tuned``) or is not tuned;
+    outside, every kernel is weighed by its size alone (``tr-bench``'s PyTorch modes)."""
+    was, _VARIANT[0] = _VARIANT[0], tuned
+    try:
+        yield
+    finally:
+        _VARIANT[0] = was
+
+
 def apply() -> bool:
     """Wrap ``CachingAutotuner.coordinate_descent_tuning`` so that it tunes only kernels that
     :func:`worth_tuning` accepts. Returns whether the rule is in place."""
@@ -56,7 +73,7 @@ def apply() -> bool:
     CachingAutotuner, original = found
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
-        if worth_tuning(getattr(self, "size_hints", None)):
+        if _VARIANT[0] and worth_tuning(getattr(self, "size_hints", None)):
             COUNTS["tuned"] += 1
             return original(self, launcher, *args, **kwargs)
         COUNTS["kept"] += 1

@@ -98,7 +98,7 @@ def _version(module: str) -> str:
 def store_key(pc, variant: str, device: torch.device, options: dict | None = None, model: str = "") -> str:
     """The key of ``variant``'s saved compile: a hash of what its compiled code depends on. The
     model (its spec, input channels and ``model``: its ``model_digest``), precision, the folded BatchNorm, the optimizer's name,
-    the variant's batch, resolution and split, every runtime option that changes the compile,
+    the variant's batch, resolution and split, whether coordinate descent tunes it, every runtime option that changes the compile,
     Inductor's options, the device, the versions of Python, PyTorch, torchvision and Triton,
     and tr_hydra's own source (``source_digest``). Not in it: learning rates and the rest of
     the optimizer's numbers, the schedule, epochs, seeds, the data's location and
@@ -118,7 +118,7 @@ def store_key(pc, variant: str, device: torch.device, options: dict | None = Non
         "bn_folded": pc.bn_folded, "share_grad16": pc.share_grad16,
         "world_size": pc.world_size, "dist": pc.dist.mode,
         "runtime": {k: val for k, val in dataclasses.asdict(pc.runtime).items() if k not in _RUNTIME_NOT_KEYED},
-        "variant": dataclasses.asdict(v), "options": sorted((str(k), repr(o)) for k, o in (options or {}).items()),
+        "variant": dataclasses.asdict(v), "tuned": pc.tunes(variant), "options": sorted((str(k), repr(o)) for k, o in (options or {}).items()),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
