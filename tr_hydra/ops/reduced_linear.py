@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tr_hydra.ops import retype
+
 MAX_OUT = 16  # outputs (classes) up to which the product is a reduction
 
 
@@ -40,14 +42,8 @@ class ReducedLinear(nn.Linear):
 
 def reduced_linears(model: nn.Module, max_out: int = MAX_OUT) -> list[str]:
     """Turn each ``nn.Linear`` of ``model`` with at most ``max_out`` outputs into
-    ``ReducedLinear`` in place, as ``models.stem`` turns its convolutions (the class changes,
-    the module and its parameters stay). Returns their names."""
-    swapped = []
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and m.out_features <= max_out:
-            m.__class__ = ReducedLinear
-            swapped.append(name)
-    return swapped
+    ``ReducedLinear`` in place. Returns their names."""
+    return retype(model, nn.Linear, ReducedLinear, lambda m: m.out_features <= max_out)
 
 
 def uses_blas(model: nn.Module) -> bool:

@@ -27,6 +27,8 @@ numbers.
 import torch
 from torch import nn
 
+from tr_hydra.ops import retype
+
 
 def _shifts(device) -> torch.Tensor:
     return torch.arange(8, device=device, dtype=torch.uint8)
@@ -93,11 +95,5 @@ class BitmaskReLU(nn.ReLU):
 
 
 def bitmask_relus(model: nn.Module) -> list[str]:
-    """Turn each ``nn.ReLU`` of ``model`` into ``BitmaskReLU`` in place, as ``models.stem``
-    turns its convolutions (the class changes, the module stays). Returns their names."""
-    swapped = []
-    for name, m in model.named_modules():
-        if type(m) is nn.ReLU:
-            m.__class__ = BitmaskReLU
-            swapped.append(name)
-    return swapped
+    """Turn each ``nn.ReLU`` of ``model`` into ``BitmaskReLU`` in place. Returns their names."""
+    return retype(model, nn.ReLU, BitmaskReLU)
