@@ -254,7 +254,8 @@ def test_the_settings_lines_say_where_tr_hydras_model_computes_differently():
     cuda = report.settings_lines(pc, "cuda")
     assert any("space-to-depth convolution; the PyTorch modes run the model's own" in ln for ln in cuda), cuda
     assert not any("multiple of" in ln for ln in cuda)  # fp32: the image as it is
-    assert any(ln.startswith("tr_hydra with Inductor computes max pooling's backward as one gathering kernel")
+    assert any(ln.startswith("tr_hydra with Inductor computes max pooling's backward as one gathering kernel, "
+                             "ReLU's backward from a one-bit mask")
                for ln in cuda)
     assert not any("16-bit gradient" in ln for ln in cuda)  # fp32: nothing converted
     amp = report.settings_lines(dataclasses.replace(pc, amp=True), "cuda")

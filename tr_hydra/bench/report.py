@@ -237,16 +237,17 @@ def settings_lines(pc, device_type: str) -> list[str]:
     model computes differently from the PyTorch modes' (its stem, max pooling and, under autocast,
     the width of stored gradients on CUDA)."""
     from tr_hydra.models.stem import stem_channel_multiple
-    from tr_hydra.ops.maxpool import uses_gather
+    from tr_hydra.ops import swaps_step_ops
     lines = [options_line(pc)] if pc.runtime.inductor_options else []
     if device_type == "cuda":
         multiple = stem_channel_multiple(device_type, pc.amp)
         pad = f", its input zero-padded to a multiple of {multiple} channels (16-bit autocast)" if multiple else ""
         lines.append(f"tr_hydra computes the stride-2 convolution over the image as a space-to-depth "
                      f"convolution{pad}; the PyTorch modes run the model's own")
-    if uses_gather(device_type, "inductor"):
-        lines.append("tr_hydra with Inductor computes max pooling's backward as one gathering kernel; "
-                     "the PyTorch modes run the model's own")
+    if swaps_step_ops(device_type, "inductor"):
+        lines.append("tr_hydra with Inductor computes max pooling's backward as one gathering kernel, "
+                     "ReLU's backward from a one-bit mask and a linear layer of 16 outputs or fewer as a "
+                     "reduction; the PyTorch modes run the model's own")
     if device_type == "cuda" and pc.amp:
         lines.append("tr_hydra with Inductor stores a 16-bit gradient that several kernels read in 16 bits, "
                      "where Inductor stores it converted to float32; the PyTorch modes run Inductor's own")

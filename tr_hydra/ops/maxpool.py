@@ -195,13 +195,6 @@ class GatherMaxPool2d(nn.Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-def uses_gather(device_type: str, compile_mode: str) -> bool:
-    """Whether a run swaps its max poolings for ``GatherMaxPool2d``: on CUDA when Inductor
-    compiles the step (eager, the forward's offsets would cost kernels of their own)."""
-    inductor = compile_mode == "inductor" or (compile_mode == "auto" and device_type == "cuda")
-    return device_type == "cuda" and inductor
-
-
 def eligible(m: nn.Module) -> bool:
     """An ``nn.MaxPool2d`` the kernel covers: square window of at most 11 (offsets fit a byte),
     square stride and padding, no dilation, floor mode, no indices returned."""

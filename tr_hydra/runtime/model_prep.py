@@ -98,14 +98,14 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
     reduction (``ops.reduced_linear``). On the
     CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
     from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
-    from tr_hydra.ops.maxpool import uses_gather
+    from tr_hydra.ops import swaps_step_ops
     out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
     if stem_folded(device.type):
         out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
         if out.stem_s2d:
             log(f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution")
     image_input_recomputed(model, first_convs, out.stem_channels)
-    if uses_gather(device.type, compile_mode):
+    if swaps_step_ops(device.type, compile_mode):
         out.maxpools, out.relus, out.linears = swap_step_ops(model)
         if out.maxpools:
             log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "
