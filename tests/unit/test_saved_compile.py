@@ -75,6 +75,34 @@ def saved_compile_ctx(variant: str):
     return StepContext(variant, "A")
 
 
+def test_the_cpu_model_computes_nchw_and_its_whole_compile_loads_back(tmp_path, monkeypatch):
+    """On the CPU each plain convolution reads contiguous copies (``model_prep.NCHWConv2d``): the
+    same numbers as ``F.conv2d`` over NCHW tensors, its weight's gradient back in the
+    channels_last arena view. The model so prepared is compiled whole, saved and loaded back (a
+    forward set as a closure was not: PyTorch 2.11 cannot load a guard on its default argument)."""
+    from tr_hydra.runtime.model_prep import NCHWConv2d
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    rt = Runtime(small_config(compile="inductor"), log=lambda *_: None, source=False)
+    convs = [m for m in rt.model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(type(m) is NCHWConv2d for m in convs if type(m).__module__ != "tr_hydra.models.stem")
+    conv = next(m for m in convs if type(m) is NCHWConv2d)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+    x = torch.randn(2, conv.in_channels, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    w = conv.weight.detach().contiguous().requires_grad_()
+    ref = torch.nn.functional.conv2d(x.detach().contiguous(), w, conv.bias, conv.stride, conv.padding)
+    out = conv(x)
+    assert torch.equal(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert torch.equal(conv.weight.grad, w.grad)
+    v = rt.pc.variants[0]
+    x = torch.randn(v.batch, 3, v.res, v.res)
+    f = saved_compile.compile_forward(rt.model, x, name=v.name)
+    saved_compile.save(f, str(tmp_path / "f"))
+    g = saved_compile.load(str(tmp_path / "f"), rt.model, v.name)
+    assert torch.equal(g(x), f(x))
+
+
 def test_load_refuses_a_file_of_another_format_or_pytorch(tmp_path):
     sig = saved_compile.Signature((1,), (1,), "torch.float32", "cpu", True, True, (False, ""))
     other = tmp_path / "other"

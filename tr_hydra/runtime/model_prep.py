@@ -27,22 +27,28 @@ def load_init(model: torch.nn.Module, path: str) -> None:
         raise ConfigError(f"model.init_from: {path} does not fit the model: {first[1].strip() if len(first) > 1 else first[0]}") from None
 
 
-def nchw_compute_on_cpu(model: torch.nn.Module) -> None:
+class NCHWConv2d(torch.nn.Conv2d):
+    """A convolution that reads a contiguous (NCHW) copy of its input and weight
+    (:func:`nchw_compute_on_cpu`)."""
+
+    def forward(self, x):
+        return self._conv_forward(x.contiguous(), self.weight.contiguous(), self.bias)
+
+
+def nchw_compute_on_cpu(model: torch.nn.Module) -> list[str]:
     """On CPU, convolutions and BatchNorm compute in NCHW.
 
     The arena keeps conv weights in channels_last (the planned layout, what cuDNN wants), but
     PyTorch's CPU channels_last kernels lose precision: on resnet18_cifar the fp32 gradients of one
     batch were 2.2e-3 (relative norm) away from float64 in channels_last and 2.3e-6 in NCHW, and
-    BatchNorm on a batch with near-cancelling bias gradients 0.7% against 1e-6. So each conv reads
-    a contiguous copy of its weight (the gradient flows back into the arena view in place) and a
-    contiguous input. CUDA keeps channels_last end to end.
+    BatchNorm on a batch with near-cancelling bias gradients 0.7% against 1e-6. So each
+    ``nn.Conv2d`` becomes an :class:`NCHWConv2d` (the gradient flows back into the arena view in
+    place); the stem's convolutions already compute so. CUDA keeps channels_last end to end.
+    A class, not a closure set as the module's forward: a saved compile's guards would hold the
+    closure's default argument, which PyTorch 2.11 cannot load back. Returns the names swapped.
     """
-    from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d
-    for m in model.modules():
-        if isinstance(m, torch.nn.Conv2d) and not isinstance(m, (SpaceToDepthConv2d, ImageConv2d)):  # those already do
-            def forward(x, _m=m):
-                return _m._conv_forward(x.contiguous(), _m.weight.contiguous(), _m.bias)
-            m.forward = forward
+    from tr_hydra.ops import retype
+    return retype(model, torch.nn.Conv2d, NCHWConv2d)
 
 
 class GlobalAvgPool(torch.nn.Module):
