@@ -112,6 +112,21 @@ def input_dtype(pc, half: torch.dtype) -> torch.dtype | None:
     return None
 
 
+class FoldedBatchNorm(nn.Module):
+    """A BatchNorm folded into a per-channel affine for validation (``plan.bn_folded``): ``x *
+    scale + bias`` over arena views (W_EQ_SCALE / W_EQ_BIAS). A module of its own, not a closure
+    set as the BN module's forward, so that a saved compile's guards hold no default argument
+    (PyTorch 2.11 cannot load one back)."""
+
+    def __init__(self, scale: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x):
+        return x * self.scale.view(1, -1, 1, 1).to(x.dtype) + self.bias.view(1, -1, 1, 1).to(x.dtype)
+
+
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
@@ -157,6 +172,7 @@ class StepExecutor:
             self._segments = ops.Segments.from_sizes(elems, self.device)
         self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
         self._eq_views = None
+        self._folded = None  # the FoldedBatchNorm modules, made on first use
         self.grad16_sumsq = None  # set by the fused check when the 16-bit gradients are overwritten
         if self.pc.bn_folded:
             self._eq_views = {bn.module: (arena.torch_view(pl["eq_scale." + bn.module]),
@@ -365,23 +381,25 @@ class StepExecutor:
 
     @contextlib.contextmanager
     def folded(self):
-        """Validation with BN replaced by the per-channel affine in W_EQ_SCALE / W_EQ_BIAS."""
+        """Validation with each BN module replaced by the per-channel affine in W_EQ_SCALE /
+        W_EQ_BIAS (:class:`FoldedBatchNorm`), put back on leaving."""
         if self._eq_views is None:
             yield
             return
+        if self._folded is None:
+            self._folded = {name: FoldedBatchNorm(*views) for name, views in self._eq_views.items()}
         modules = dict(self.model.named_modules())
         saved = {}
-        for name, (scale, bias) in self._eq_views.items():
-            m = modules[name]
-            saved[name] = m.forward
-            def folded_forward(x, _s=scale, _b=bias):
-                return x * _s.view(1, -1, 1, 1).to(x.dtype) + _b.view(1, -1, 1, 1).to(x.dtype)
-            m.forward = folded_forward
+        for name, folded in self._folded.items():
+            parent, _, child = name.rpartition(".")
+            saved[name] = modules[name]
+            setattr(modules[parent], child, folded)
         try:
             yield
         finally:
-            for name, fwd in saved.items():
-                modules[name].forward = fwd
+            for name, bn in saved.items():
+                parent, _, child = name.rpartition(".")
+                setattr(modules[parent], child, bn)
 
     # ------------------------------------------------------------------ EMA and metrics
     def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
