@@ -18,3 +18,6 @@ def test_fused_kernels_match_reference_in_interpreter():
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("_triton_check.py")), "cpu"],
                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]
+    unchecked = [ln[len("unchecked: "):] for ln in out.stdout.splitlines() if ln.startswith("unchecked: ")]
+    if unchecked:  # every other kernel matched
+        pytest.skip("not checked: " + "; ".join(unchecked))
