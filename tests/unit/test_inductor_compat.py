@@ -161,3 +161,99 @@ def test_a_trainer_compiling_with_inductor_installs_the_fix_and_says_so_when_it_
     assert th.CachingAutotuner.recheck_autotune_cache is ic.fixed_recheck_autotune_cache
     said = [str(ln) for ln in logs if "172819" in str(ln)]
     assert len(said) == (1 if tune else 0), logs
+
+
+class Tuned:
+    """A kernel as ``cached_coordesc_config`` reads it: its Inductor metadata and its file."""
+    def __init__(self, filename, tuning=True):
+        self.filename = str(filename)
+        self.inductor_meta = {"coordinate_descent_tuning": tuning}
+
+
+def _save(filename, config, configs, coordesc=True):
+    """What coordinate descent leaves in Inductor's autotune cache for a kernel tuned from ``configs``."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+    cache = AutotuneCache.create({"coordinate_descent_tuning": True}, str(filename), th.hash_configs(configs))
+    cache.save(config, 0, found_by_coordesc=coordesc)
+
+
+@pytest.mark.parametrize("here", [[cfg(32), cfg(64)], [cfg(32), cfg(64), cfg(128), cfg(16)]],
+                         ids=["one-dropped", "one-added"])
+def test_a_config_tuned_from_another_list_of_configs_is_found(tmp_path, here):
+    """The kernel was tuned from three configs; this process compiled another list (one that
+    failed to compile dropped, or one added with half the reduction block): Inductor's own check
+    misses the tuned config, tr_hydra's finds it."""
+    f = tmp_path / "cabc123.py"
+    _save(f, cfg(128, warps=8), [cfg(32), cfg(64), cfg(128)])
+    meta = {"coordinate_descent_tuning": True}
+    got, _, info = th.check_autotune_cache(here, str(f), meta)
+    assert info["autotune_cache_state"] == "miss" and len(got) == len(here)  # Inductor tunes it again
+    best = ic.cached_coordesc_config(Tuned(f))
+    assert th.triton_config_to_hashable(best) == th.triton_config_to_hashable(cfg(128, warps=8))
+    assert best.found_by_coordesc
+    # the same list: Inductor's own check finds the same config
+    (own,), _, _ = th.check_autotune_cache([cfg(32), cfg(64), cfg(128)], str(f), meta)
+    assert th.triton_config_to_hashable(own) == th.triton_config_to_hashable(best)
+
+
+def test_a_kernel_without_an_x_dimension_takes_its_tuned_config(tmp_path):
+    """Inductor's own decorator, as a compiled module calls it: it hashes the configs, then drops
+    XBLOCK from those of a kernel without an x dimension, so the configs a loading process checks
+    never hash as the list coordinate descent saved its result under."""
+    import torch
+    import triton.language as tl
+    from torch._inductor.runtime.hints import DeviceProperties, HeuristicType
+
+    @triton.jit
+    def kernel(in_ptr0, out_ptr0, xnumel, r0_numel, R0_BLOCK: tl.constexpr):
+        pass
+
+    f = tmp_path / "cpersistent.py"
+    f.write_text("# the kernel's source\n")
+    declared = [triton.Config({"XBLOCK": 1}, num_warps=4, num_stages=1)]
+    tuner = th.cached_autotune({"x": 64, "r0_": 2048}, declared,
+                               triton_meta={"signature": {}, "device": DeviceProperties.create(torch.device("cpu"))},
+                               heuristic_type=HeuristicType.PERSISTENT_REDUCTION, filename=str(f),
+                               inductor_meta={"coordinate_descent_tuning": True})(kernel)
+    assert [c.kwargs for c in tuner.configs] == [{}]
+    # coordinate descent's result, saved by the tuner's own hook (the process that tuned it)
+    tuner.save_cache_hook(triton.Config({}, num_warps=16, num_stages=1), 0, found_by_coordesc=True)
+    # what a process that loads the compiled kernel checks: the configs it was compiled with
+    got, _, info = th.check_autotune_cache(list(tuner.configs), str(f), {"coordinate_descent_tuning": True})
+    assert info["autotune_cache_state"] == "miss"
+    best = ic.cached_coordesc_config(tuner)
+    assert best.num_warps == 16 and best.kwargs == {} and best.found_by_coordesc
+
+
+def test_no_config_where_none_was_tuned(tmp_path):
+    assert ic.cached_coordesc_config(Tuned(tmp_path / "cnone.py")) is None  # nothing cached
+    f = tmp_path / "cbench.py"
+    _save(f, cfg(64), [cfg(32), cfg(64)], coordesc=False)  # picked by the benchmark of the list
+    assert ic.cached_coordesc_config(Tuned(f)) is None
+    g = tmp_path / "ctuned.py"
+    _save(g, cfg(64), [cfg(64)])
+    assert ic.cached_coordesc_config(Tuned(g, tuning=False)) is None  # a run without coordinate descent
+    assert ic.cached_coordesc_config(Tuned(g)) is not None
+
+
+class Launched:
+    def __init__(self, config):
+        self.config = config
+
+    def make_launcher(self):
+        return self
+
+
+def test_the_launcher_of_the_tuned_config():
+    k = Kernel([cfg(64)])
+    k._precompile_config = lambda c: (k.compiled.append(c), Launched(c))[1]
+    same = Launched(cfg(64))
+    assert ic.launcher_for(k, same, cfg(64, coordesc=True)) is same and same.config.found_by_coordesc
+    other = ic.launcher_for(k, Launched(cfg(64)), cfg(256, warps=8, coordesc=True))
+    assert th.triton_config_to_hashable(other.config) == th.triton_config_to_hashable(cfg(256, warps=8))
+    assert other.config.found_by_coordesc and len(k.compiled) == 1
+    k.fn.fn = None  # a kernel whose source is not in this process, on a release without _ensure_kernel_loaded
+    assert ic.launcher_for(k, Launched(cfg(64)), cfg(256, coordesc=True)) is None
+    loaded = type("Fn", (), {"fn": object()})()
+    k._reload_kernel = lambda: type("Reloaded", (), {"fn": loaded})()  # what such a release stashes
+    assert ic.launcher_for(k, Launched(cfg(64)), cfg(256, coordesc=True)) is not None and k.fn is loaded

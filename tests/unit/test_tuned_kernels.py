@@ -56,7 +56,7 @@ def wrapped(monkeypatch):
 
     monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", tune)
     monkeypatch.setattr(tk, "_APPLIED", [])
-    monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0})
+    monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0, "loaded": 0})
     assert tk.apply() is True and tk.applied()
     assert tk.apply() is True and tk._APPLIED == [tune]  # once
     return th.CachingAutotuner.coordinate_descent_tuning, calls
@@ -68,7 +68,7 @@ def test_a_large_kernel_is_tuned_by_inductor(wrapped):
     best = method(k, launcher, "arg", grid=(1,))
     assert calls == [(k, ("arg",), {"grid": (1,)})]
     assert best.config.kwargs == {"XBLOCK": 1024} and best.config.found_by_coordesc
-    assert tk.COUNTS == {"tuned": 1, "kept": 0}
+    assert tk.COUNTS == {"tuned": 1, "kept": 0, "loaded": 0}
 
 
 def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
@@ -80,7 +80,46 @@ def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
     assert kept.config.kwargs == {"XBLOCK": 64}
     # Inductor's run() tunes a kernel whose config is not marked found_by_coordesc: now it is
     assert kept.config.found_by_coordesc is True
-    assert tk.COUNTS == {"tuned": 0, "kept": 1}
+    assert tk.COUNTS == {"tuned": 0, "kept": 1, "loaded": 0}
+
+
+def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(wrapped, tmp_path):
+    """Inductor's autotune cache holds the config a parallel compile found for the kernel's source,
+    tuned from another list of configs than the one this process compiled: no tuning here."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+    method, calls = wrapped
+    k = Kernel({"x": 64, "r0_": 802_816})
+    k.filename, k.inductor_meta = str(tmp_path / "ckernel.py"), {"coordinate_descent_tuning": True}
+    tuned = triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1)
+    AutotuneCache.create(k.inductor_meta, k.filename, "the parallel compile's list").save(tuned, 0, found_by_coordesc=True)
+    compiled = []
+
+    class Made:
+        def __init__(self, config):
+            self.config = config
+
+        def make_launcher(self):
+            return self
+    k._precompile_config = lambda c: (compiled.append(c), Made(c))[1]
+    k._ensure_kernel_loaded = lambda: None
+    got = method(k, Launcher(64), "arg")
+    assert calls == [] and len(compiled) == 1
+    assert got.config.kwargs == {"XBLOCK": 512} and got.config.num_warps == 8 and got.config.found_by_coordesc
+    assert tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 1}
+    # nothing cached for another kernel: tuned
+    other = Kernel({"x": 2 ** 22})
+    other.filename, other.inductor_meta = str(tmp_path / "cother.py"), {"coordinate_descent_tuning": True}
+    assert method(other, Launcher(64)).config.kwargs == {"XBLOCK": 1024} and len(calls) == 1
+    # a cached config this process cannot compile (out of resources on this device): tuned instead
+    broken = Kernel({"x": 64, "r0_": 802_816})
+    broken.filename, broken.inductor_meta = k.filename, k.inductor_meta
+    broken._ensure_kernel_loaded = lambda: None
+
+    def fails(config):
+        raise RuntimeError("out of resources")
+    broken._precompile_config = fails
+    assert method(broken, Launcher(64)).config.kwargs == {"XBLOCK": 1024} and len(calls) == 2
+    assert tk.COUNTS == {"tuned": 2, "kept": 0, "loaded": 1}
 
 
 def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
@@ -94,7 +133,7 @@ def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
         assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 64}  # still off
     # outside a step: by size alone
     assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 1024}
-    assert tk.COUNTS == {"tuned": 2, "kept": 2}
+    assert tk.COUNTS == {"tuned": 2, "kept": 2, "loaded": 0}
 
 
 def test_the_executor_says_which_variant_it_runs(monkeypatch):

@@ -22,6 +22,7 @@ faulty guard. Releases with the fix, such as 2.14, keep their own.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 
@@ -78,6 +79,56 @@ def autotuner_method(name: str):
         return None
     original = getattr(CachingAutotuner, name, None)
     return None if original is None else (CachingAutotuner, original)
+
+
+def cached_coordesc_config(kernel):
+    """The config coordinate descent found for ``kernel``'s source in an earlier process, as
+    Inductor's autotune cache keeps it beside the kernel, whatever list of configs the tuning
+    started from; None where the cache holds none or cannot be read.
+
+    Inductor takes a cached config only where a hash of the kernel's configs equals the hash
+    saved with it, which is of the list the kernel's source declares. A kernel loaded from the FX
+    graph cache (what a parallel compile compiled, or an earlier run) is checked against the
+    configs it was compiled with, and in PyTorch 2.11 to 2.14 these can differ from that list:
+    ``_dynamic_scale_rblock`` adds a config with half the reduction block to a kernel short of
+    registers, a config that fails to compile is dropped, and for a kernel without an x dimension
+    ``cached_autotune`` removes ``XBLOCK`` from the configs after hashing them. Inductor then
+    misses the tuned config and tunes the kernel again."""
+    meta = getattr(kernel, "inductor_meta", None) or {}
+    if not meta.get("coordinate_descent_tuning") or not getattr(kernel, "filename", None):
+        return None
+    try:
+        from torch._inductor.runtime.autotune_cache import AutotuneCache
+        any_list = AutotuneCache.create(meta, kernel.filename, "")
+        data = any_list._read() if any_list is not None else None
+        if not isinstance(data, dict) or not data.get("found_by_coordesc") or "configs_hash" not in data:
+            return None
+        best = AutotuneCache.create(meta, kernel.filename, data["configs_hash"]).read_best(meta, [])
+    except Exception:  # noqa: BLE001 - another release's cache: Inductor's own path stays
+        return None
+    return best if getattr(best, "found_by_coordesc", False) else None
+
+
+def launcher_for(kernel, launcher, config):
+    """A launcher of ``kernel`` with ``config``, marked as found by coordinate descent: ``launcher``
+    where it has that config, else one compiled now; None where this process cannot compile the
+    kernel (its source is not here)."""
+    from torch._inductor.runtime.triton_heuristics import triton_config_to_hashable as key
+    if key(launcher.config) == key(config):
+        launcher.config.found_by_coordesc = True
+        return launcher
+    ensure = getattr(kernel, "_ensure_kernel_loaded", None)
+    reload = getattr(kernel, "_reload_kernel", None)  # releases before _ensure_kernel_loaded
+    if ensure is not None:
+        ensure()
+    elif getattr(getattr(kernel, "fn", None), "fn", None) is None:
+        if not callable(reload):
+            return None
+        kernel.fn = reload().fn
+    with getattr(kernel, "lock", None) or contextlib.nullcontext():
+        made = kernel._precompile_config(config).make_launcher()
+    made.config.found_by_coordesc = True
+    return made
 
 
 def apply() -> bool:

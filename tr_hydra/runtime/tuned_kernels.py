@@ -15,9 +15,11 @@ so the step executor says which variant it runs (:func:`for_variant`) and the ru
 
 The rule is applied where the kernel is first launched, in the process that tunes (the parallel
 compiles' children and the training process alike), by wrapping
-``CachingAutotuner.coordinate_descent_tuning``. A kept kernel's config is marked as settled, so
-it is not weighed again at its next launch; nothing is written to Inductor's cache for it, and a
-later process that loads it makes the same choice.
+``CachingAutotuner.coordinate_descent_tuning``. A kernel that an earlier process tuned (a parallel
+compile, an earlier run) takes the config that process found, from Inductor's autotune cache,
+where Inductor's own check misses it (``inductor_compat.cached_coordesc_config``). A kept kernel's
+config is marked as settled, so it is not weighed again at its next launch; nothing is written to
+Inductor's cache for it, and a later process that loads it makes the same choice.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import math
 MIN_ELEMENTS = 1 << 20
 
 _APPLIED: list = []  # the original method, once wrapped
-COUNTS = {"tuned": 0, "kept": 0}  # kernels this process tuned, and kept at Inductor's config
+# kernels this process tuned, kept at Inductor's config, and loaded as an earlier process tuned them
+COUNTS = {"tuned": 0, "kept": 0, "loaded": 0}
 _VARIANT = [True]  # whether the variant the executor runs now is tuned
 
 
@@ -61,19 +64,37 @@ def for_variant(tuned: bool):
         _VARIANT[0] = was
 
 
+def _tuned_before(kernel, launcher):
+    """``kernel``'s launcher with the config an earlier process's coordinate descent found for it
+    (``inductor_compat``), or None: none was found, or it could not be made here (the kernel is
+    then tuned as Inductor would)."""
+    from tr_hydra.runtime import inductor_compat as compat
+    best = compat.cached_coordesc_config(kernel)
+    if best is None:
+        return None
+    try:
+        return compat.launcher_for(kernel, launcher, best)
+    except Exception:  # noqa: BLE001 - a config this device cannot compile: tune instead
+        return None
+
+
 def apply() -> bool:
     """Wrap ``CachingAutotuner.coordinate_descent_tuning`` so that it tunes only kernels that
     :func:`worth_tuning` accepts. Returns whether the rule is in place."""
     if _APPLIED:
         return True
-    from tr_hydra.runtime.inductor_compat import autotuner_method
-    found = autotuner_method("coordinate_descent_tuning")
+    from tr_hydra.runtime import inductor_compat as compat
+    found = compat.autotuner_method("coordinate_descent_tuning")
     if found is None:
         return False
     CachingAutotuner, original = found
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
         if _VARIANT[0] and worth_tuning(getattr(self, "size_hints", None)):
+            loaded = _tuned_before(self, launcher)
+            if loaded is not None:
+                COUNTS["loaded"] += 1
+                return loaded
             COUNTS["tuned"] += 1
             return original(self, launcher, *args, **kwargs)
         COUNTS["kept"] += 1

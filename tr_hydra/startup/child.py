@@ -31,7 +31,8 @@ def _counters() -> dict:
             out[k] = int(counters[group][k])
     from tr_hydra.runtime import tuned_kernels
     if tuned_kernels.applied():
-        out.update(kernels_tuned=tuned_kernels.COUNTS["tuned"], kernels_kept=tuned_kernels.COUNTS["kept"])
+        out.update(kernels_tuned=tuned_kernels.COUNTS["tuned"], kernels_kept=tuned_kernels.COUNTS["kept"],
+                   kernels_loaded=tuned_kernels.COUNTS["loaded"])
     return out
 
 
