@@ -21,7 +21,7 @@ from tr_hydra.runtime import inductor_compat, tuned_kernels
 inductor_compat.apply()
 if sys.argv[1] in ("rule", "untuned", "drift"):
     tuned_kernels.apply()
-if sys.argv[1].startswith("drift"):  # the loaded kernels' configs hash otherwise than the tuned list
+if sys.argv[1] == "drift":  # the loaded kernels' configs hash otherwise than the tuned list
     from torch._inductor.runtime import triton_heuristics as th
     hash_configs = th.hash_configs
     th.hash_configs = lambda configs: hash_configs(configs) + "-compiled"
@@ -59,14 +59,12 @@ def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
     again = _run(tmp_path / "rule", "rule")  # loads the compile and the tuned configs
     assert again["hit"] >= 2 and again["benchmarks"] == 0 and again["counts"]["tuned"] == 0
     # the loaded configs hash otherwise than the list the tuning saved its result under (as where
-    # Inductor drops XBLOCK or adds a half reduction block): tr_hydra's wrapper takes the configs
-    # coordinate descent saved ...
+    # Inductor drops XBLOCK or adds a half reduction block): Inductor's check leaves the kernels
+    # to be tuned again (its run() calls coordinate descent: "loaded" counts those calls), and
+    # tr_hydra's wrapper launches the configs coordinate descent saved, with no benchmark
     drift = _run(tmp_path / "rule", "drift")
     assert drift["hit"] >= 2 and drift["benchmarks"] == 0
     assert drift["counts"]["tuned"] == 0 and drift["counts"]["loaded"] > 0
-    # ... where Inductor's own check tunes them again (last: it saves under the other hash)
-    plain = _run(tmp_path / "rule", "drift-plain")
-    assert plain["hit"] >= 2 and plain["benchmarks"] > 0
     off = _run(tmp_path / "untuned", "untuned")  # a variant left untuned: not one benchmark
     assert off["benchmarks"] == 0 and off["counts"]["tuned"] == 0 and off["counts"]["kept"] > first["counts"]["kept"]
     # the same step, whatever configs the kernels run with: within twice the bf16 step's own
