@@ -88,13 +88,15 @@ def test_the_cpu_model_computes_nchw_and_its_whole_compile_loads_back(tmp_path, 
     conv = next(m for m in convs if type(m) is NCHWConv2d)
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     x = torch.randn(2, conv.in_channels, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    x2 = x.detach().contiguous().requires_grad_()
     w = conv.weight.detach().contiguous().requires_grad_()
-    ref = torch.nn.functional.conv2d(x.detach().contiguous(), w, conv.bias, conv.stride, conv.padding)
+    ref = torch.nn.functional.conv2d(x2, w, conv.bias, conv.stride, conv.padding)
+    conv.weight.grad.zero_()  # the arena's gradient view, which backward accumulates into
     out = conv(x)
     assert torch.equal(out, ref)
     out.square().sum().backward()
     ref.square().sum().backward()
-    assert torch.equal(conv.weight.grad, w.grad)
+    assert torch.equal(conv.weight.grad, w.grad) and torch.equal(x.grad, x2.grad)
     v = rt.pc.variants[0]
     x = torch.randn(v.batch, 3, v.res, v.res)
     f = saved_compile.compile_forward(rt.model, x, name=v.name)
