@@ -171,13 +171,11 @@ class StepExecutor:
             elems = [t.slot_bytes // 4 for k in MATRIX_KINDS for t in pl.tensors_in(R[f"W_{k}"])]
             self._segments = ops.Segments.from_sizes(elems, self.device)
         self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
-        self._eq_views = None
-        self._folded = None  # the FoldedBatchNorm modules, made on first use
         self.grad16_sumsq = None  # set by the fused check when the 16-bit gradients are overwritten
-        if self.pc.bn_folded:
-            self._eq_views = {bn.module: (arena.torch_view(pl["eq_scale." + bn.module]),
-                                          arena.torch_view(pl["eq_bias." + bn.module]))
-                              for bn in self.c.model_map.bns}
+        # plan.bn_folded: per BN module's name, what validation runs in its place
+        self._folded = {bn.module: FoldedBatchNorm(arena.torch_view(pl["eq_scale." + bn.module]),
+                                                   arena.torch_view(pl["eq_bias." + bn.module]))
+                        for bn in self.c.model_map.bns} if self.pc.bn_folded else None
         self._classes = torch.arange(self.pc.model.num_classes, device=self.device)  # constant
         # backward returns the gradients (autograd.grad) and one multi-tensor copy writes them
         # into their arena views: no per-parameter AccumulateGrad kernels, no clear beforehand
@@ -383,23 +381,20 @@ class StepExecutor:
     def folded(self):
         """Validation with each BN module replaced by the per-channel affine in W_EQ_SCALE /
         W_EQ_BIAS (:class:`FoldedBatchNorm`), put back on leaving."""
-        if self._eq_views is None:
+        if self._folded is None:
             yield
             return
-        if self._folded is None:
-            self._folded = {name: FoldedBatchNorm(*views) for name, views in self._eq_views.items()}
         modules = dict(self.model.named_modules())
-        saved = {}
+        saved = []  # (parent module, attribute, the BN module)
         for name, folded in self._folded.items():
             parent, _, child = name.rpartition(".")
-            saved[name] = modules[name]
+            saved.append((modules[parent], child, modules[name]))
             setattr(modules[parent], child, folded)
         try:
             yield
         finally:
-            for name, bn in saved.items():
-                parent, _, child = name.rpartition(".")
-                setattr(modules[parent], child, bn)
+            for parent, child, bn in saved:
+                setattr(parent, child, bn)
 
     # ------------------------------------------------------------------ EMA and metrics
     def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
