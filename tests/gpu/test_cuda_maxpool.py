@@ -45,7 +45,7 @@ def test_resnet_stem_pooling_compiled_matches_eager(dtype):
 def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monkeypatch):
     """resnet18 with Inductor inside the captured step: the gathering kernel (what runs on CUDA)
     and the model's own pooling give the same fp32 step (TF32 off)."""
-    from tr_hydra import ops
+    from tr_hydra.ops import swaps
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     out, logs = {}, []
@@ -56,7 +56,7 @@ def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monk
         pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, precompile=0))
         with monkeypatch.context() as mp:
             if mode == "native":
-                mp.setattr(ops, "swaps_step_ops", lambda *a: False)
+                mp.setattr(swaps, "swaps_step_ops", lambda *a: False)
             tr = Trainer(pc, tmp_path / mode, log=logs.append, telemetry=False)
         tr.get_ready()
         before = {k: v.clone() for k, v in tr.final_state_dict().items()}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.helpers import assert_second_process_hits_aot_cache, small_config
-from tr_hydra.ops import swaps_step_ops
+from tr_hydra.ops.swaps import swaps_step_ops
 from tr_hydra.ops.maxpool import (GatherMaxPool2d, eligible, gather_maxpools, indices_to_offsets,
                                   offsets_to_indices)
 from tr_hydra.train.trainer import Trainer
@@ -117,8 +117,7 @@ def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, mon
     """The gathering max pooling through the trainer (as on CUDA with Inductor; here eager on the
     CPU, resnet18 with its stem's pooling): three steps end where the model's own pooling's do,
     and the swap is logged."""
-    from tr_hydra import ops
-    from tr_hydra.ops import maxpool, reduced_linear, relu_mask
+    from tr_hydra.ops import maxpool, reduced_linear, relu_mask, swaps
     # the last linear layer as a reduction sums in another order, which BatchNorm amplifies past
     # this comparison's tolerance in three steps: it is tested on its own (test_reduced_linear)
     monkeypatch.setattr(reduced_linear, "reduced_linears", lambda model: [])
@@ -127,7 +126,7 @@ def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, mon
         torch.manual_seed(0)
         pc = small_config(model="resnet18", max_steps=3, res=32, val_res=32, lowres_res=32, batch=8,
                           train_size=24, val_size=8, val_batch=8)
-        monkeypatch.setattr(ops, "swaps_step_ops", lambda *a, _on=mode == "gather": _on)
+        monkeypatch.setattr(swaps, "swaps_step_ops", lambda *a, _on=mode == "gather": _on)
         # the ReLUs it swaps too (ops.relu_mask) change the backward's summation order, which
         # BatchNorm over layer 4's 8 values per channel amplifies: that swap is tested on its own
         monkeypatch.setattr(relu_mask, "bitmask_relus", lambda model: [])

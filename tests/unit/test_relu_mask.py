@@ -177,10 +177,10 @@ def test_the_trainer_swaps_them_where_the_step_is_compiled_on_cuda(tmp_path, mon
     """Through the trainer (as on CUDA with Inductor; here eager on the CPU): resnet18's nine
     ReLU modules are swapped, the swap is logged, and a step trains."""
     from tests.helpers import small_config
-    from tr_hydra import ops
+    from tr_hydra.ops import swaps
     from tr_hydra.ops.relu_mask import BitmaskReLU
     from tr_hydra.train.trainer import Trainer
-    monkeypatch.setattr(ops, "swaps_step_ops", lambda *a: True)
+    monkeypatch.setattr(swaps, "swaps_step_ops", lambda *a: True)
     logs = []
     pc = small_config(model="resnet18", max_steps=1, res=32, val_res=32, lowres_res=32, batch=8,
                       train_size=24, val_size=8, val_batch=8)

@@ -238,7 +238,7 @@ def settings_lines(pc, device_type: str) -> list[str]:
     model computes differently from the PyTorch modes' (its stem, max pooling and, under autocast,
     the width of stored gradients on CUDA)."""
     from tr_hydra.models.stem import stem_channel_multiple
-    from tr_hydra.ops import swaps_step_ops
+    from tr_hydra.ops.swaps import swaps_step_ops
     lines = [options_line(pc)] if pc.runtime.inductor_options else []
     if device_type == "cuda":
         multiple = stem_channel_multiple(device_type, pc.amp)

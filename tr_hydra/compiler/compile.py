@@ -170,10 +170,9 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     plan = build_plan(pc, model_map, fused)
     dt = compute_dtype(pc)
     meta_model.to(dtype=dt)
-    from tr_hydra.ops import swaps_step_ops
+    from tr_hydra.ops.swaps import swap_step_ops, swaps_step_ops
     from tr_hydra.ops.reduced_linear import uses_blas
     if swaps_step_ops(device_type, pc.runtime.compile):
-        from tr_hydra.runtime.model_prep import swap_step_ops
         swap_step_ops(meta_model)  # as the runner will: a byte per pooled output, a bit per ReLU output
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))

@@ -82,18 +82,6 @@ def stem_folded(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def swap_step_ops(model: torch.nn.Module) -> tuple[list[str], list[str], list[str]]:
-    """The modules whose computation a step that Inductor compiles on CUDA takes from ``ops``,
-    turned in place: max pooling with the gathering backward (``ops.maxpool``), ReLU with the
-    one-bit mask (``ops.relu_mask``), a linear layer of few outputs as a reduction
-    (``ops.reduced_linear``). The run (``prepare``) and the plan's estimate (``compile_plan``)
-    both call this, so the plan counts what the run keeps. Returns the names of each kind."""
-    from tr_hydra.ops.maxpool import gather_maxpools
-    from tr_hydra.ops.reduced_linear import reduced_linears
-    from tr_hydra.ops.relu_mask import bitmask_relus
-    return gather_maxpools(model), bitmask_relus(model), reduced_linears(model)
-
-
 def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, compile_mode: str,
             deterministic: bool, log=print) -> Prepared:
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
@@ -104,7 +92,7 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
     reduction (``ops.reduced_linear``). On the
     CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
     from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
-    from tr_hydra.ops import swaps_step_ops
+    from tr_hydra.ops.swaps import swap_step_ops, swaps_step_ops
     out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
     if stem_folded(device.type):
         out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
