@@ -98,12 +98,13 @@ def cached_coordesc_config(kernel):
     if not meta.get("coordinate_descent_tuning") or not getattr(kernel, "filename", None):
         return None
     try:
-        from torch._inductor.runtime.autotune_cache import AutotuneCache
-        any_list = AutotuneCache.create(meta, kernel.filename, "")
-        data = any_list._read() if any_list is not None else None
+        from torch._inductor.runtime.autotune_cache import AutotuneCache, _load_cached_autotuning
+        cache = AutotuneCache.create(meta, kernel.filename, "")  # the hash is only compared on reading
+        data = cache._read() if cache is not None else None
         if not isinstance(data, dict) or not data.get("found_by_coordesc") or "configs_hash" not in data:
             return None
-        best = AutotuneCache.create(meta, kernel.filename, data["configs_hash"]).read_best(meta, [])
+        # Inductor's own reading of the entry, against the hash it was saved with
+        best = _load_cached_autotuning(dict(data), data["configs_hash"], [], meta)
     except Exception:  # noqa: BLE001 - another release's cache: Inductor's own path stays
         return None
     return best if getattr(best, "found_by_coordesc", False) else None
