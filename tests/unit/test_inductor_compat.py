@@ -257,3 +257,27 @@ def test_the_launcher_of_the_tuned_config():
     loaded = type("Fn", (), {"fn": object()})()
     k._reload_kernel = lambda: type("Reloaded", (), {"fn": loaded})()  # what such a release stashes
     assert ic.launcher_for(k, Launched(cfg(64)), cfg(256, coordesc=True)) is not None and k.fn is loaded
+
+
+@pytest.mark.parametrize("kind, deterministic, tuned", [
+    ("POINTWISE", False, True), ("REDUCTION", False, True), ("REDUCTION", True, False),
+    ("POINTWISE", True, True), ("TEMPLATE", False, False), ("USER_AUTOTUNE", False, False)])
+def test_which_kernels_inductor_would_tune(tmp_path, kind, deterministic, tuned):
+    """Inductor's own decorator builds the kernel; its own rule (2.14's ``_should_coordesc_tune``,
+    2.11's checks inside the method) is what ``coordesc_eligible`` answers."""
+    import torch
+    import triton.language as tl
+    from torch._inductor.runtime.hints import DeviceProperties, HeuristicType
+
+    @triton.jit
+    def kernel(in_ptr0, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+        pass
+
+    meta = {"coordinate_descent_tuning": True, "deterministic": deterministic}
+    tuner = th.cached_autotune({"x": 2 ** 22}, [triton.Config({"XBLOCK": 1024}, num_warps=4, num_stages=1)],
+                               triton_meta={"signature": {}, "device": DeviceProperties.create(torch.device("cpu"))},
+                               heuristic_type=getattr(HeuristicType, kind), filename=str(tmp_path / "ck.py"),
+                               inductor_meta=meta)(kernel)
+    assert ic.coordesc_eligible(tuner) is tuned
+    if hasattr(th.CachingAutotuner, "_should_coordesc_tune"):
+        assert tuner._should_coordesc_tune is tuned  # the release's own answer

@@ -54,7 +54,11 @@ def wrapped(monkeypatch):
         best.config.found_by_coordesc = True
         return best
 
+    def pick(self, *args, **kwargs):  # Inductor's benchmark of the kernel's configs: its pick saved
+        self.save_cache_hook(self.picked, 0, **self.pick_saves)
+
     monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", tune)
+    monkeypatch.setattr(th.CachingAutotuner, "autotune_to_one_config", pick)
     monkeypatch.setattr(tk, "_APPLIED", [])
     monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0, "loaded": 0})
     assert tk.apply() is True and tk.applied()
@@ -122,6 +126,77 @@ def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(
     assert tk.COUNTS == {"tuned": 2, "kept": 0, "loaded": 1}
 
 
+# how each release saves its pick among a kernel's configs over the kernel's cache entry, before
+# coordinate descent: 2.11 unmarked, 2.14 marked found_by_coordesc when coordinate descent is on
+PICK_SAVES = pytest.mark.parametrize("saves", [{}, {"found_by_coordesc": True}], ids=["2.11", "2.14"])
+
+
+def _cached_kernel(tmp_path, saves):
+    """A large kernel of several configs whose cache entry this process's hook writes, and the
+    configs it compiles when asked."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+    k = Kernel({"x": 64, "r0_": 802_816})
+    k.filename, k.inductor_meta = str(tmp_path / "cpicked.py"), {"coordinate_descent_tuning": True}
+    k.save_cache_hook = AutotuneCache.create(k.inductor_meta, k.filename, "this process's list").save
+    k.picked, k.pick_saves, k.compiled = triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1), saves, []
+
+    class Made:
+        def __init__(self, config):
+            self.config = config
+
+        def make_launcher(self):
+            return self
+    k._precompile_config = lambda c: (k.compiled.append(c), Made(c))[1]
+    k._ensure_kernel_loaded = lambda: None
+    return k
+
+
+@PICK_SAVES
+def test_inductors_pick_saved_over_a_tuned_entry_does_not_replace_it(wrapped, tmp_path, saves):
+    """A loaded kernel whose configs hash otherwise than its tuned list gets all its configs back;
+    Inductor benchmarks them and saves its pick over the entry coordinate descent left. The tuned
+    config is read before that, launched, and written back for the next process."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+    from tr_hydra.runtime import inductor_compat as compat
+    method, calls = wrapped
+    k = _cached_kernel(tmp_path, saves)
+    AutotuneCache.create(k.inductor_meta, k.filename, "the parallel compile's list").save(
+        triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1), 0, found_by_coordesc=True)
+    th.CachingAutotuner.autotune_to_one_config(k, "arg")
+    after = compat.cached_coordesc_config(k)  # the pick now holds the entry: the tuned config is gone from it
+    assert after is None or after.kwargs == {"XBLOCK": 64}
+    got = method(k, Launcher(64), "arg")
+    assert calls == [] and got.config.kwargs == {"XBLOCK": 512} and got.config.num_warps == 8
+    assert tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 1}
+    back = compat.cached_coordesc_config(k)
+    assert back.kwargs == {"XBLOCK": 512} and back.num_warps == 8 and back.found_by_coordesc
+
+
+@PICK_SAVES
+def test_a_kernel_never_tuned_is_tuned_after_inductors_pick(wrapped, tmp_path, saves):
+    """The first process: nothing tuned yet. 2.14 marks its pick found_by_coordesc; the pick must
+    not pass for a tuned config."""
+    method, calls = wrapped
+    k = _cached_kernel(tmp_path, saves)
+    th.CachingAutotuner.autotune_to_one_config(k, "arg")
+    got = method(k, Launcher(64), "arg")
+    assert len(calls) == 1 and got.config.kwargs == {"XBLOCK": 1024} and k.compiled == []
+    assert tk.COUNTS == {"tuned": 1, "kept": 0, "loaded": 0}
+
+
+def test_a_kernel_inductor_never_tunes_is_left_to_inductor(wrapped, tmp_path):
+    """A template (or fixed-config) kernel: Inductor's method returns it untouched; the rule
+    neither counts nor marks it, nor reads the cache for it."""
+    from torch._inductor.runtime.hints import HeuristicType
+    method, calls = wrapped
+    k = _cached_kernel(tmp_path, {"found_by_coordesc": True})
+    k.heuristic_type = HeuristicType.TEMPLATE
+    th.CachingAutotuner.autotune_to_one_config(k, "arg")
+    assert "_tr_tuned_before" not in vars(k)
+    method(k, Launcher(64), "arg")
+    assert [c[0] for c in calls] == [k] and tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 0}
+
+
 def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
     method, calls = wrapped
     with tk.for_variant(False):
@@ -166,6 +241,7 @@ def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
     from tr_hydra.runtime.build import Runtime
     original = th.CachingAutotuner.coordinate_descent_tuning
     monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", original)  # restored after
+    monkeypatch.setattr(th.CachingAutotuner, "autotune_to_one_config", th.CachingAutotuner.autotune_to_one_config)
     monkeypatch.setattr(tk, "_APPLIED", [])
     pc = small_config(compile="inductor")
     opts = (("coordinate_descent_tuning", True),) if tune else ()

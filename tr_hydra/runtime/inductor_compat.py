@@ -23,6 +23,7 @@ faulty guard. Releases with the fix, such as 2.14, keep their own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 
@@ -79,6 +80,21 @@ def autotuner_method(name: str):
         return None
     original = getattr(CachingAutotuner, name, None)
     return None if original is None else (CachingAutotuner, original)
+
+
+def coordesc_eligible(kernel) -> bool:
+    """Whether Inductor's coordinate descent would tune ``kernel`` at all: not a template, a
+    user's autotuned or a fixed-config kernel, nor a reduction in deterministic mode. 2.14 asks
+    ``_should_coordesc_tune``; 2.11 makes the same checks inside the method."""
+    if isinstance(getattr(type(kernel), "_should_coordesc_tune", None), (property, functools.cached_property)):
+        return bool(kernel._should_coordesc_tune)
+    from torch._inductor.runtime.hints import HeuristicType as H
+    kind = getattr(kernel, "heuristic_type", None)
+    named = lambda *names: {getattr(H, n) for n in names if hasattr(H, n)}  # noqa: E731
+    if kind in named("TEMPLATE", "USER_AUTOTUNE", "FIXED"):
+        return False
+    return not (getattr(kernel, "deterministic_mode", False)
+                and kind in named("REDUCTION", "PERSISTENT_REDUCTION", "SPLIT_SCAN"))
 
 
 def cached_coordesc_config(kernel):

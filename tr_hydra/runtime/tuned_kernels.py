@@ -17,9 +17,12 @@ The rule is applied where the kernel is first launched, in the process that tune
 compiles' children and the training process alike), by wrapping
 ``CachingAutotuner.coordinate_descent_tuning``. A kernel that an earlier process tuned (a parallel
 compile, an earlier run) takes the config that process found, from Inductor's autotune cache,
-where Inductor's own check misses it (``inductor_compat.cached_coordesc_config``). A kept kernel's
-config is marked as settled, so it is not weighed again at its next launch; nothing is written to
-Inductor's cache for it, and a later process that loads it makes the same choice.
+where Inductor's own check misses it (``inductor_compat.cached_coordesc_config``). That entry is
+read before Inductor benchmarks the kernel's configs (``autotune_to_one_config``), whose pick is
+saved over it, and written back once the kernel runs with it. A kept kernel's config is marked as
+settled, so it is not weighed again at its next launch; nothing is written to Inductor's cache for
+it, and a later process that loads it makes the same choice. Kernels Inductor never tunes
+(templates, fixed configs, a deterministic run's reductions) are left to Inductor.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import math
 # more tuned in 134 s, 48 of 2^19 or fewer kept; tuning every one of them took 210 s
 MIN_ELEMENTS = 1 << 20
 
-_APPLIED: list = []  # the original method, once wrapped
+_APPLIED: list = []  # the original coordinate_descent_tuning, once wrapped
 # kernels this process tuned, kept at Inductor's config, and loaded as an earlier process tuned them
 COUNTS = {"tuned": 0, "kept": 0, "loaded": 0}
 _VARIANT = [True]  # whether the variant the executor runs now is tuned
@@ -64,23 +67,37 @@ def for_variant(tuned: bool):
         _VARIANT[0] = was
 
 
+_UNREAD = object()
+
+
 def _tuned_before(kernel, launcher):
     """``kernel``'s launcher with the config an earlier process's coordinate descent found for it
     (``inductor_compat``), or None: none was found, or it could not be made here (the kernel is
-    then tuned as Inductor would)."""
+    then tuned as Inductor would). Where Inductor's pick among the kernel's configs was saved over
+    that entry, the entry read before it (:func:`apply`) is used and written back."""
     from tr_hydra.runtime import inductor_compat as compat
-    best = compat.cached_coordesc_config(kernel)
+    before = kernel.__dict__.pop("_tr_tuned_before", _UNREAD)
+    best = compat.cached_coordesc_config(kernel) if before is _UNREAD else before
     if best is None:
         return None
     try:
-        return compat.launcher_for(kernel, launcher, best)
+        made = compat.launcher_for(kernel, launcher, best)
     except Exception:  # noqa: BLE001 - a config this device cannot compile: tune instead
         return None
+    save = getattr(kernel, "save_cache_hook", None)
+    if made is not None and before is not _UNREAD and save:
+        try:  # the entry again holds the tuned config, for the next process that loads the kernel
+            save(made.config, 0, found_by_coordesc=True)
+        except OSError:
+            pass
+    return made
 
 
 def apply() -> bool:
     """Wrap ``CachingAutotuner.coordinate_descent_tuning`` so that it tunes only kernels that
-    :func:`worth_tuning` accepts. Returns whether the rule is in place."""
+    :func:`worth_tuning` accepts, and ``autotune_to_one_config`` so that the config an earlier
+    process tuned is read before Inductor saves its own pick over it. Returns whether the rule is
+    in place."""
     if _APPLIED:
         return True
     from tr_hydra.runtime import inductor_compat as compat
@@ -88,9 +105,15 @@ def apply() -> bool:
     if found is None:
         return False
     CachingAutotuner, original = found
+    picked = compat.autotuner_method("autotune_to_one_config")
+
+    def weighed(kernel) -> bool:
+        return _VARIANT[0] and worth_tuning(getattr(kernel, "size_hints", None))
 
     def coordinate_descent_tuning(self, launcher, *args, **kwargs):
-        if _VARIANT[0] and worth_tuning(getattr(self, "size_hints", None)):
+        if not compat.coordesc_eligible(self):  # Inductor returns it untouched
+            return original(self, launcher, *args, **kwargs)
+        if weighed(self):
             loaded = _tuned_before(self, launcher)
             if loaded is not None:
                 COUNTS["loaded"] += 1
@@ -101,8 +124,15 @@ def apply() -> bool:
         launcher.config.found_by_coordesc = True  # settled: Inductor's config stays
         return launcher
 
+    def autotune_to_one_config(self, *args, **kwargs):
+        if compat.coordesc_eligible(self) and weighed(self):
+            self._tr_tuned_before = compat.cached_coordesc_config(self)
+        return picked[1](self, *args, **kwargs)
+
     _APPLIED.append(original)
     CachingAutotuner.coordinate_descent_tuning = coordinate_descent_tuning
+    if picked is not None:
+        CachingAutotuner.autotune_to_one_config = autotune_to_one_config
     return True
 
 
