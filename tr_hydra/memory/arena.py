@@ -22,9 +22,6 @@ class ArenaKeeper:
         self.arena = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
 
     # ------------------------------------------------------------------ addressing
-    def ptr_at(self, offset: int) -> int:
-        return self.arena.data_ptr() + offset
-
     def torch_dtype(self, dt: DType) -> torch.dtype:
         return {DType.FP32: torch.float32, DType.FP16: self.half_dtype,
                 DType.INT32: torch.int32, DType.INT8: torch.int8}[dt]

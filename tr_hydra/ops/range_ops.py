@@ -34,11 +34,6 @@ def scale_inplace(buf: torch.Tensor, scale: torch.Tensor) -> None:
     buf.mul_(scale)
 
 
-def check_nonfinite(span: torch.Tensor, flag: torch.Tensor) -> None:
-    """flag = 1.0 if the span holds any NaN/inf, else 0.0 (one reduction; NaN and inf propagate)."""
-    flag.copy_((~torch.isfinite(span.sum(dtype=torch.float32))).float().view(1))
-
-
 def accum_metrics(acc: torch.Tensor, result: torch.Tensor) -> None:
     acc.add_(result)
 
