@@ -85,7 +85,15 @@ def autotuner_method(name: str):
 def coordesc_eligible(kernel) -> bool:
     """Whether Inductor's coordinate descent would tune ``kernel`` at all: not a template, a
     user's autotuned or a fixed-config kernel, nor a reduction in deterministic mode. 2.14 asks
-    ``_should_coordesc_tune``; 2.11 makes the same checks inside the method."""
+    ``_should_coordesc_tune``; 2.11 makes the same checks inside the method, at every launch of
+    such a kernel, so the answer is kept on the kernel."""
+    known = kernel.__dict__.get("_tr_coordesc_eligible")
+    if known is None:
+        known = kernel.__dict__["_tr_coordesc_eligible"] = _eligible(kernel)
+    return known
+
+
+def _eligible(kernel) -> bool:
     if isinstance(getattr(type(kernel), "_should_coordesc_tune", None), (property, functools.cached_property)):
         return bool(kernel._should_coordesc_tune)
     from torch._inductor.runtime.hints import HeuristicType as H
