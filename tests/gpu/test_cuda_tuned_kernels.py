@@ -17,19 +17,18 @@ SCRIPT = r"""
 import copy, json, sys, torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.runtime import triton_heuristics as th
 from tr_hydra.runtime import inductor_compat, tuned_kernels
 inductor_compat.apply()
 picks = []  # large kernels whose several configs Inductor benchmarked first, saving its pick
 if sys.argv[1] in ("rule", "untuned", "drift"):
     tuned_kernels.apply()
-    from torch._inductor.runtime import triton_heuristics as th
     pick = th.CachingAutotuner.autotune_to_one_config
     def counted(self, *args, **kwargs):
         picks.append(tuned_kernels.worth_tuning(self.size_hints))
         return pick(self, *args, **kwargs)
     th.CachingAutotuner.autotune_to_one_config = counted
 if sys.argv[1] == "drift":  # the loaded kernels' configs hash otherwise than the tuned list
-    from torch._inductor.runtime import triton_heuristics as th
     hash_configs = th.hash_configs
     th.hash_configs = lambda configs: hash_configs(configs) + "-compiled"
 variant = tuned_kernels.for_variant(sys.argv[1] != "untuned")  # "untuned": a variant runtime.tuning left out

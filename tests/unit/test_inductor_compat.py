@@ -196,13 +196,21 @@ def test_a_config_tuned_from_another_list_of_configs_is_found(tmp_path, here):
     assert th.triton_config_to_hashable(own) == th.triton_config_to_hashable(best)
 
 
+def _built(fn, size_hints, configs, kind, filename, meta):
+    """``fn`` as Inductor's own decorator makes it, as a compiled module calls it, on the CPU."""
+    import torch
+    from torch._inductor.runtime.hints import DeviceProperties, HeuristicType
+    return th.cached_autotune(size_hints, configs,
+                              triton_meta={"signature": {}, "device": DeviceProperties.create(torch.device("cpu"))},
+                              heuristic_type=getattr(HeuristicType, kind), filename=str(filename),
+                              inductor_meta=meta)(fn)
+
+
 def test_a_kernel_without_an_x_dimension_takes_its_tuned_config(tmp_path):
     """Inductor's own decorator, as a compiled module calls it: it hashes the configs, then drops
     XBLOCK from those of a kernel without an x dimension, so the configs a loading process checks
     never hash as the list coordinate descent saved its result under."""
-    import torch
     import triton.language as tl
-    from torch._inductor.runtime.hints import DeviceProperties, HeuristicType
 
     @triton.jit
     def kernel(in_ptr0, out_ptr0, xnumel, r0_numel, R0_BLOCK: tl.constexpr):
@@ -211,10 +219,8 @@ def test_a_kernel_without_an_x_dimension_takes_its_tuned_config(tmp_path):
     f = tmp_path / "cpersistent.py"
     f.write_text("# the kernel's source\n")
     declared = [triton.Config({"XBLOCK": 1}, num_warps=4, num_stages=1)]
-    tuner = th.cached_autotune({"x": 64, "r0_": 2048}, declared,
-                               triton_meta={"signature": {}, "device": DeviceProperties.create(torch.device("cpu"))},
-                               heuristic_type=HeuristicType.PERSISTENT_REDUCTION, filename=str(f),
-                               inductor_meta={"coordinate_descent_tuning": True})(kernel)
+    tuner = _built(kernel, {"x": 64, "r0_": 2048}, declared, "PERSISTENT_REDUCTION", f,
+                   {"coordinate_descent_tuning": True})
     assert [c.kwargs for c in tuner.configs] == [{}]
     # coordinate descent's result, saved by the tuner's own hook (the process that tuned it)
     tuner.save_cache_hook(triton.Config({}, num_warps=16, num_stages=1), 0, found_by_coordesc=True)
@@ -265,19 +271,14 @@ def test_the_launcher_of_the_tuned_config():
 def test_which_kernels_inductor_would_tune(tmp_path, kind, deterministic, tuned):
     """Inductor's own decorator builds the kernel; its own rule (2.14's ``_should_coordesc_tune``,
     2.11's checks inside the method) is what ``coordesc_eligible`` answers."""
-    import torch
     import triton.language as tl
-    from torch._inductor.runtime.hints import DeviceProperties, HeuristicType
 
     @triton.jit
     def kernel(in_ptr0, out_ptr0, xnumel, XBLOCK: tl.constexpr):
         pass
 
-    meta = {"coordinate_descent_tuning": True, "deterministic": deterministic}
-    tuner = th.cached_autotune({"x": 2 ** 22}, [triton.Config({"XBLOCK": 1024}, num_warps=4, num_stages=1)],
-                               triton_meta={"signature": {}, "device": DeviceProperties.create(torch.device("cpu"))},
-                               heuristic_type=getattr(HeuristicType, kind), filename=str(tmp_path / "ck.py"),
-                               inductor_meta=meta)(kernel)
+    tuner = _built(kernel, {"x": 2 ** 22}, [triton.Config({"XBLOCK": 1024}, num_warps=4, num_stages=1)], kind,
+                   tmp_path / "ck.py", {"coordinate_descent_tuning": True, "deterministic": deterministic})
     assert ic.coordesc_eligible(tuner) is tuned
     if hasattr(th.CachingAutotuner, "_should_coordesc_tune"):
         assert tuner._should_coordesc_tune is tuned  # the release's own answer

@@ -87,27 +87,43 @@ def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
     assert tk.COUNTS == {"tuned": 0, "kept": 1, "loaded": 0}
 
 
+class Made:
+    """What ``_precompile_config`` returns: a compiled config that makes its launcher."""
+    def __init__(self, config):
+        self.config = config
+
+    def make_launcher(self):
+        return self
+
+
+# how each release saves its pick among a kernel's configs over the kernel's cache entry, before
+# coordinate descent: 2.11 unmarked, 2.14 marked found_by_coordesc when coordinate descent is on
+PICK_SAVES = pytest.mark.parametrize("saves", [{}, {"found_by_coordesc": True}], ids=["2.11", "2.14"])
+
+
+def _cached_kernel(tmp_path, saves):
+    """A large kernel of several configs whose cache entry this process's hook writes, and the
+    configs it compiles when asked."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+    k = Kernel({"x": 64, "r0_": 802_816})
+    k.filename, k.inductor_meta = str(tmp_path / "cpicked.py"), {"coordinate_descent_tuning": True}
+    k.save_cache_hook = AutotuneCache.create(k.inductor_meta, k.filename, "this process's list").save
+    k.picked, k.pick_saves, k.compiled = triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1), saves, []
+    k._precompile_config = lambda c: (k.compiled.append(c), Made(c))[1]
+    k._ensure_kernel_loaded = lambda: None
+    return k
+
+
 def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(wrapped, tmp_path):
     """Inductor's autotune cache holds the config a parallel compile found for the kernel's source,
     tuned from another list of configs than the one this process compiled: no tuning here."""
     from torch._inductor.runtime.autotune_cache import AutotuneCache
     method, calls = wrapped
-    k = Kernel({"x": 64, "r0_": 802_816})
-    k.filename, k.inductor_meta = str(tmp_path / "ckernel.py"), {"coordinate_descent_tuning": True}
+    k = _cached_kernel(tmp_path, {})
     tuned = triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1)
     AutotuneCache.create(k.inductor_meta, k.filename, "the parallel compile's list").save(tuned, 0, found_by_coordesc=True)
-    compiled = []
-
-    class Made:
-        def __init__(self, config):
-            self.config = config
-
-        def make_launcher(self):
-            return self
-    k._precompile_config = lambda c: (compiled.append(c), Made(c))[1]
-    k._ensure_kernel_loaded = lambda: None
     got = method(k, Launcher(64), "arg")
-    assert calls == [] and len(compiled) == 1
+    assert calls == [] and len(k.compiled) == 1
     assert got.config.kwargs == {"XBLOCK": 512} and got.config.num_warps == 8 and got.config.found_by_coordesc
     assert tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 1}
     # nothing cached for another kernel: tuned
@@ -124,31 +140,6 @@ def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(
     broken._precompile_config = fails
     assert method(broken, Launcher(64)).config.kwargs == {"XBLOCK": 1024} and len(calls) == 2
     assert tk.COUNTS == {"tuned": 2, "kept": 0, "loaded": 1}
-
-
-# how each release saves its pick among a kernel's configs over the kernel's cache entry, before
-# coordinate descent: 2.11 unmarked, 2.14 marked found_by_coordesc when coordinate descent is on
-PICK_SAVES = pytest.mark.parametrize("saves", [{}, {"found_by_coordesc": True}], ids=["2.11", "2.14"])
-
-
-def _cached_kernel(tmp_path, saves):
-    """A large kernel of several configs whose cache entry this process's hook writes, and the
-    configs it compiles when asked."""
-    from torch._inductor.runtime.autotune_cache import AutotuneCache
-    k = Kernel({"x": 64, "r0_": 802_816})
-    k.filename, k.inductor_meta = str(tmp_path / "cpicked.py"), {"coordinate_descent_tuning": True}
-    k.save_cache_hook = AutotuneCache.create(k.inductor_meta, k.filename, "this process's list").save
-    k.picked, k.pick_saves, k.compiled = triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1), saves, []
-
-    class Made:
-        def __init__(self, config):
-            self.config = config
-
-        def make_launcher(self):
-            return self
-    k._precompile_config = lambda c: (k.compiled.append(c), Made(c))[1]
-    k._ensure_kernel_loaded = lambda: None
-    return k
 
 
 @PICK_SAVES
