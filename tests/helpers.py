@@ -61,6 +61,17 @@ def assert_second_process_hits_aot_cache(probe: str, tmp_path: Path) -> None:
     assert "autograd_cache_hit" in seen[1] and "autograd_cache_bypass" not in seen[1], seen
 
 
+class CompiledConfig:
+    """What Inductor's ``_precompile_config`` returns: a compiled Triton config that makes its
+    launcher (here, itself)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def make_launcher(self):
+        return self
+
+
 class _StandIn:
     """A compiled graph that returns empty tensors shaped as its outputs."""
 

@@ -8,6 +8,7 @@ import pytest
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 triton = pytest.importorskip("triton")
 
+from tests.helpers import CompiledConfig  # noqa: E402
 from tr_hydra.runtime import inductor_compat as ic  # noqa: E402
 
 INSTALLED = th.CachingAutotuner.recheck_autotune_cache
@@ -242,27 +243,19 @@ def test_no_config_where_none_was_tuned(tmp_path):
     assert ic.cached_coordesc_config(Tuned(g)) is not None
 
 
-class Launched:
-    def __init__(self, config):
-        self.config = config
-
-    def make_launcher(self):
-        return self
-
-
 def test_the_launcher_of_the_tuned_config():
     k = Kernel([cfg(64)])
-    k._precompile_config = lambda c: (k.compiled.append(c), Launched(c))[1]
-    same = Launched(cfg(64))
+    k._precompile_config = lambda c: (k.compiled.append(c), CompiledConfig(c))[1]
+    same = CompiledConfig(cfg(64))
     assert ic.launcher_for(k, same, cfg(64, coordesc=True)) is same and same.config.found_by_coordesc
-    other = ic.launcher_for(k, Launched(cfg(64)), cfg(256, warps=8, coordesc=True))
+    other = ic.launcher_for(k, CompiledConfig(cfg(64)), cfg(256, warps=8, coordesc=True))
     assert th.triton_config_to_hashable(other.config) == th.triton_config_to_hashable(cfg(256, warps=8))
     assert other.config.found_by_coordesc and len(k.compiled) == 1
     k.fn.fn = None  # a kernel whose source is not in this process, on a release without _ensure_kernel_loaded
-    assert ic.launcher_for(k, Launched(cfg(64)), cfg(256, coordesc=True)) is None
+    assert ic.launcher_for(k, CompiledConfig(cfg(64)), cfg(256, coordesc=True)) is None
     loaded = type("Fn", (), {"fn": object()})()
     k._reload_kernel = lambda: type("Reloaded", (), {"fn": loaded})()  # what such a release stashes
-    assert ic.launcher_for(k, Launched(cfg(64)), cfg(256, coordesc=True)) is not None and k.fn is loaded
+    assert ic.launcher_for(k, CompiledConfig(cfg(64)), cfg(256, coordesc=True)) is not None and k.fn is loaded
 
 
 @pytest.mark.parametrize("kind, deterministic, tuned", [

@@ -6,6 +6,7 @@ import pytest
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 triton = pytest.importorskip("triton")
 
+from tests.helpers import CompiledConfig  # noqa: E402
 from tr_hydra.runtime import tuned_kernels as tk  # noqa: E402
 
 
@@ -87,15 +88,6 @@ def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
     assert tk.COUNTS == {"tuned": 0, "kept": 1, "loaded": 0}
 
 
-class Made:
-    """What ``_precompile_config`` returns: a compiled config that makes its launcher."""
-    def __init__(self, config):
-        self.config = config
-
-    def make_launcher(self):
-        return self
-
-
 # how each release saves its pick among a kernel's configs over the kernel's cache entry, before
 # coordinate descent: 2.11 unmarked, 2.14 marked found_by_coordesc when coordinate descent is on
 PICK_SAVES = pytest.mark.parametrize("saves", [{}, {"found_by_coordesc": True}], ids=["2.11", "2.14"])
@@ -109,7 +101,7 @@ def _cached_kernel(tmp_path, saves):
     k.filename, k.inductor_meta = str(tmp_path / "cpicked.py"), {"coordinate_descent_tuning": True}
     k.save_cache_hook = AutotuneCache.create(k.inductor_meta, k.filename, "this process's list").save
     k.picked, k.pick_saves, k.compiled = triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1), saves, []
-    k._precompile_config = lambda c: (k.compiled.append(c), Made(c))[1]
+    k._precompile_config = lambda c: (k.compiled.append(c), CompiledConfig(c))[1]
     k._ensure_kernel_loaded = lambda: None
     return k
 
