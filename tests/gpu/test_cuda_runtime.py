@@ -8,7 +8,7 @@ from tests.helpers import small_config
 from tr_hydra.config.plan_config import OptimizerSpec
 from tr_hydra import startup
 from tr_hydra.runtime.build import Runtime
-from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
+from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
@@ -67,31 +67,29 @@ def test_fp16_inf_skips_update_on_graph(tmp_path):
         assert torch.equal(before[off:off + n], tr.arena.arena[off:off + n]), start.name
 
 
-@pytest.mark.parametrize("compile,bn_folded", [("none", False), ("inductor", False), ("inductor", True)])
-def test_no_allocations_after_capture(tmp_path, compile, bn_folded):
-    """Training and validation replays allocate nothing: eager, and with Inductor (the default on
-    CUDA: max pooling's gathering backward, ReLU's one-bit masks, the linear layer as a reduction),
-    also with validation's BatchNorm folded into a per-channel affine and its prologue."""
+@pytest.mark.parametrize("compile,folded_ema", [("none", False), ("inductor", False), ("inductor", True)])
+def test_no_allocations_after_capture(tmp_path, compile, folded_ema):
+    """Training and validation allocate nothing after capture: eager, and with Inductor (the
+    default on CUDA: max pooling's gathering backward, ReLU's one-bit masks, the linear layer as
+    a reduction); also with the EMA weights swapped in for a second validation and BatchNorm
+    folded into a per-channel affine before each (the trainer's whole ``validate``)."""
     pc = small_config(device="cuda", train_size=200, batch=32, lowres_epochs=1, epochs=2, amp=True,
                       compile=compile, model="resnet18", num_classes=10, res=32, lowres_res=32, val_res=32,
-                      bn_folded=bn_folded)
+                      bn_folded=folded_ema, ema=folded_ema)
     tr = Trainer(pc, tmp_path, log=lambda *_: None)
     tr.get_ready()
     assert compile == "none" or any(type(m).__name__ == "BitmaskReLU" for m in tr.model.modules())
     steps = []
     for e in (0, 1):
         steps += epoch_schedule(pc, e)
-    val = val_schedule(pc)
     tr.run_steps(steps, "train")  # first replays
-    tr.rt.ex.before_validation()
-    tr.rt.validation(val)
+    assert ("val_ema" in tr.validate()) == folded_ema
     torch.cuda.synchronize()
     s0 = torch.cuda.memory_stats()
     m0 = torch.cuda.memory_allocated()
     for _ in range(100 // len(steps) + 1):
         tr.run_steps(steps, "train")
-        tr.rt.ex.before_validation()
-        tr.rt.validation(val)
+        tr.validate()
     torch.cuda.synchronize()
     s1 = torch.cuda.memory_stats()
     assert torch.cuda.memory_allocated() == m0

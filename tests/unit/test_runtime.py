@@ -113,6 +113,54 @@ def test_bn_folding_gives_the_same_logits(tmp_path):
     assert not torch.equal(plain, folded)  # a different computation, not the same path
 
 
+def _ops_making_tensors(fn, *given: torch.Tensor) -> list[str]:
+    """The ops ``fn`` runs whose result is not (a view of) one of ``given``: the temporaries a
+    caching allocator would hand out on the GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    storages = {t.untyped_storage().data_ptr() for t in given}
+    made = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
+                    made.append(str(func))
+            return out
+
+    with Outputs():
+        fn()
+    return made
+
+
+def test_bn_fold_writes_only_its_outputs():
+    """The fold runs after capture, before each validation: it makes no temporary and gives the
+    plain formula's values bit for bit."""
+    from tr_hydra.ops.range_ops import bn_fold
+    g = torch.Generator().manual_seed(0)
+    bias, weight, mean = (torch.randn(300, generator=g) for _ in range(3))
+    var = torch.rand(300, generator=g) + 0.1
+    eq_bias, eq_scale = torch.empty(300), torch.empty(300)
+    args = (eq_bias, eq_scale, bias, weight, mean, var)
+    assert _ops_making_tensors(lambda: bn_fold(*args, 1e-5), *args) == []
+    assert torch.equal(eq_scale, weight * torch.rsqrt(var + 1e-5))
+    assert torch.equal(eq_bias, bias - mean * eq_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_exchanges_bits_without_a_temporary(dtype):
+    """EMA validation swaps the live and EMA spans after capture: every bit (negative zero, NaN,
+    infinities) trades places and nothing is allocated."""
+    special = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1e-40], dtype=torch.float32)
+    a = torch.cat([torch.randn(200), special]).to(dtype)
+    b = torch.cat([special, torch.randn(200)]).to(dtype)
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    a0, b0 = a.view(bits).clone(), b.view(bits).clone()
+    from tr_hydra.ops.range_ops import swap
+    assert _ops_making_tensors(lambda: swap(a, b), a, b) == []
+    assert torch.equal(a.view(bits), b0) and torch.equal(b.view(bits), a0)
+
+
 def test_val_metrics_match_eager_reference(tmp_path):
     """The last 6 samples run in val_last's graph: the metrics count exactly the 70 samples."""
     tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32)

@@ -34,6 +34,18 @@ def scale_inplace(buf: torch.Tensor, scale: torch.Tensor) -> None:
     buf.mul_(scale)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the contents of two spans of one dtype and size, bit for bit, without a
+    temporary (three XORs of their integer views): it runs after capture and allocates nothing."""
+    x, y = (t.view(_SAME_SIZE_INT[t.element_size()]) for t in (a, b))
+    x.bitwise_xor_(y)
+    y.bitwise_xor_(x)
+    x.bitwise_xor_(y)
+
+
 def accum_metrics(acc: torch.Tensor, result: torch.Tensor) -> None:
     acc.add_(result)
 
@@ -77,9 +89,12 @@ def ema_decay_at(decay: torch.Tensor, step: torch.Tensor, warmup: bool) -> torch
 
 def bn_fold(eq_bias: torch.Tensor, eq_scale: torch.Tensor, bn_bias: torch.Tensor,
             bn_weight: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float) -> None:
-    """Per-channel affine equivalent to eval-mode BN, over the whole BN span at once."""
-    torch.mul(bn_weight, torch.rsqrt(var + eps), out=eq_scale)
-    torch.sub(bn_bias, mean * eq_scale, out=eq_bias)
+    """Per-channel affine equivalent to eval-mode BN, over the whole BN span at once. Every
+    intermediate is kept in the outputs: it runs after capture and allocates nothing."""
+    torch.add(var, eps, out=eq_scale)
+    eq_scale.rsqrt_().mul_(bn_weight)
+    torch.mul(mean, eq_scale, out=eq_bias)
+    eq_bias.neg_().add_(bn_bias)
 
 
 def update_loss_scale(scale: torch.Tensor, inv_scale: torch.Tensor, tracker: torch.Tensor,

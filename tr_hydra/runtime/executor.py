@@ -397,11 +397,6 @@ class StepExecutor:
                 setattr(parent, child, bn)
 
     # ------------------------------------------------------------------ EMA and metrics
-    def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        tmp = a.clone()
-        a.copy_(b)
-        b.copy_(tmp)
-
     @contextlib.contextmanager
     def ema_weights(self):
         """Run the live model with the EMA weights (and EMA BN statistics), then swap back."""
@@ -416,13 +411,13 @@ class StepExecutor:
             else:
                 pairs.append((a.span(*series_span("W", PARAM_KINDS)), a.span(*series_span("E", PARAM_KINDS))))
             for x, y in pairs:
-                self._swap(x, y)
+                ops.swap(x, y)
         try:
             yield
         finally:
             with torch.no_grad():
                 for x, y in pairs:
-                    self._swap(x, y)
+                    ops.swap(x, y)
 
     def sema_switch(self) -> None:
         """RANGE_SEMA_SWITCH: the EMA weights and statistics become the live ones."""
