@@ -2,7 +2,8 @@
 small ones keep Inductor's config, a variant left untuned keeps every config, and a second
 process that loads the compiled step from the cache runs no benchmark at all, even where the
 loaded kernels' configs hash otherwise than the list they were tuned from
-(``tr_hydra.runtime.tuned_kernels``)."""
+(``tr_hydra.runtime.tuned_kernels``). With the run's steps (``runtime.tuning=auto``), each large
+kernel is timed once and tuned only where that pays over them."""
 from __future__ import annotations
 
 import pytest
@@ -31,11 +32,18 @@ if sys.argv[1] in ("rule", "untuned", "drift"):
 if sys.argv[1] == "drift":  # the loaded kernels' configs hash otherwise than the tuned list
     hash_configs = th.hash_configs
     th.hash_configs = lambda configs: hash_configs(configs) + "-compiled"
-variant = tuned_kernels.for_variant(sys.argv[1] != "untuned")  # "untuned": a variant runtime.tuning left out
+seen = []  # "steps:N": runtime.tuning=auto's rule over N steps, and each kernel's launches as it counted them
+if sys.argv[1].startswith("steps:"):
+    tuned_kernels.apply()
+    count = tuned_kernels.launches
+    tuned_kernels.launches = lambda kernel: (seen.append(count(kernel)), seen[-1])[1]
+steps = int(sys.argv[1][6:]) if sys.argv[1].startswith("steps:") else None
+variant = tuned_kernels.for_variant(sys.argv[1] != "untuned", steps)  # "untuned": a variant runtime.tuning left out
 variant.__enter__()
 torch.manual_seed(0)
 m = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
                   nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                  nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),  # the same kernels again
                   nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).cuda().to(memory_format=torch.channels_last)
 ref = copy.deepcopy(m)  # PyTorch's eager step in fp32: the rounding scale of the bf16 step
 ref_loss = ref(x := torch.randn(64, 16, 32, 32, device="cuda").to(memory_format=torch.channels_last)).square().mean()
@@ -47,7 +55,7 @@ loss.backward()
 torch.cuda.synchronize()
 print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
                               "benchmarks": counters["inductor"]["coordesc_tuning_bench"],
-                              "counts": tuned_kernels.COUNTS, "picks": sum(picks), "loss": loss.item(),
+                              "counts": tuned_kernels.COUNTS, "picks": sum(picks), "launches": seen, "loss": loss.item(),
                               "grad": m[0].weight.grad.float().norm().item(),
                               "ref_loss": ref_loss.item(), "ref_grad": ref[0].weight.grad.norm().item()}))
 """
@@ -77,11 +85,24 @@ def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
     for r in loads:
         assert r["hit"] >= 2 and r["benchmarks"] == 0 and r["counts"]["tuned"] == 0, r
     assert loads[0]["counts"]["loaded"] > 0
+    # runtime.tuning=auto's rule: over one step no kernel pays (each timed once, outside coordinate
+    # descent's count); over 10^12 every large kernel does
+    short = _run(tmp_path / "short", "steps:1")
+    assert short["counts"]["tuned"] == 0 and short["counts"]["unpaid"] == first["counts"]["tuned"], short
+    assert short["benchmarks"] == 0
+    reload = _run(tmp_path / "short", "steps:1")  # its decisions kept: loaded, none timed again
+    assert reload["hit"] >= 2 and reload["counts"]["tuned"] == reload["counts"]["unpaid"] == 0, reload
+    assert reload["launches"] == [] and reload["benchmarks"] == 0, reload
+    long = _run(tmp_path / "long", "steps:1000000000000")
+    assert long["counts"]["tuned"] == first["counts"]["tuned"] and long["counts"]["unpaid"] == 0, long
+    assert 0 < long["benchmarks"] < every["benchmarks"]
+    # the kernels of the second and third blocks are one kernel each, launched twice a step
+    assert len(long["launches"]) == first["counts"]["tuned"] and max(long["launches"]) >= 2, long
     off = _run(tmp_path / "untuned", "untuned")  # a variant left untuned: not one benchmark
     assert off["benchmarks"] == 0 and off["counts"]["tuned"] == 0 and off["counts"]["kept"] > first["counts"]["kept"]
     # the same step, whatever configs the kernels run with: within twice the bf16 step's own
     # distance from PyTorch's fp32 eager step
     for key in ("loss", "grad"):
         scale = abs(every[key] - every[f"ref_{key}"])
-        for r in (first, again, *loads, off):
+        for r in (first, again, *loads, short, reload, long, off):
             assert abs(r[key] - every[key]) <= 2 * scale + 1e-7, (key, r[key], every[key], scale)

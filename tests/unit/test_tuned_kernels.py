@@ -61,7 +61,8 @@ def wrapped(monkeypatch):
     monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", tune)
     monkeypatch.setattr(th.CachingAutotuner, "autotune_to_one_config", pick)
     monkeypatch.setattr(tk, "_APPLIED", [])
-    monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0, "loaded": 0})
+    monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 0})
+    monkeypatch.setattr(tk, "_LAUNCHES", {})
     assert tk.apply() is True and tk.applied()
     assert tk.apply() is True and tk._APPLIED == [tune]  # once
     return th.CachingAutotuner.coordinate_descent_tuning, calls
@@ -73,7 +74,7 @@ def test_a_large_kernel_is_tuned_by_inductor(wrapped):
     best = method(k, launcher, "arg", grid=(1,))
     assert calls == [(k, ("arg",), {"grid": (1,)})]
     assert best.config.kwargs == {"XBLOCK": 1024} and best.config.found_by_coordesc
-    assert tk.COUNTS == {"tuned": 1, "kept": 0, "loaded": 0}
+    assert tk.COUNTS == {"tuned": 1, "kept": 0, "unpaid": 0, "loaded": 0}
 
 
 def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
@@ -85,7 +86,7 @@ def test_a_small_kernel_keeps_its_config_and_is_not_weighed_again(wrapped):
     assert kept.config.kwargs == {"XBLOCK": 64}
     # Inductor's run() tunes a kernel whose config is not marked found_by_coordesc: now it is
     assert kept.config.found_by_coordesc is True
-    assert tk.COUNTS == {"tuned": 0, "kept": 1, "loaded": 0}
+    assert tk.COUNTS == {"tuned": 0, "kept": 1, "unpaid": 0, "loaded": 0}
 
 
 # how each release saves its pick among a kernel's configs over the kernel's cache entry, before
@@ -117,7 +118,7 @@ def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(
     got = method(k, Launcher(64), "arg")
     assert calls == [] and len(k.compiled) == 1
     assert got.config.kwargs == {"XBLOCK": 512} and got.config.num_warps == 8 and got.config.found_by_coordesc
-    assert tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 1}
+    assert tk.COUNTS == {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 1}
     # nothing cached for another kernel: tuned
     other = Kernel({"x": 2 ** 22})
     other.filename, other.inductor_meta = str(tmp_path / "cother.py"), {"coordinate_descent_tuning": True}
@@ -131,7 +132,7 @@ def test_a_kernel_an_earlier_process_tuned_takes_its_config_without_a_benchmark(
         raise RuntimeError("out of resources")
     broken._precompile_config = fails
     assert method(broken, Launcher(64)).config.kwargs == {"XBLOCK": 1024} and len(calls) == 2
-    assert tk.COUNTS == {"tuned": 2, "kept": 0, "loaded": 1}
+    assert tk.COUNTS == {"tuned": 2, "kept": 0, "unpaid": 0, "loaded": 1}
 
 
 @PICK_SAVES
@@ -150,7 +151,7 @@ def test_inductors_pick_saved_over_a_tuned_entry_does_not_replace_it(wrapped, tm
     assert after is None or after.kwargs == {"XBLOCK": 64}
     got = method(k, Launcher(64), "arg")
     assert calls == [] and got.config.kwargs == {"XBLOCK": 512} and got.config.num_warps == 8
-    assert tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 1}
+    assert tk.COUNTS == {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 1}
     back = compat.cached_coordesc_config(k)
     assert back.kwargs == {"XBLOCK": 512} and back.num_warps == 8 and back.found_by_coordesc
 
@@ -164,7 +165,7 @@ def test_a_kernel_never_tuned_is_tuned_after_inductors_pick(wrapped, tmp_path, s
     th.CachingAutotuner.autotune_to_one_config(k, "arg")
     got = method(k, Launcher(64), "arg")
     assert len(calls) == 1 and got.config.kwargs == {"XBLOCK": 1024} and k.compiled == []
-    assert tk.COUNTS == {"tuned": 1, "kept": 0, "loaded": 0}
+    assert tk.COUNTS == {"tuned": 1, "kept": 0, "unpaid": 0, "loaded": 0}
 
 
 def test_a_kernel_inductor_never_tunes_is_left_to_inductor(wrapped, tmp_path):
@@ -177,7 +178,7 @@ def test_a_kernel_inductor_never_tunes_is_left_to_inductor(wrapped, tmp_path):
     th.CachingAutotuner.autotune_to_one_config(k, "arg")
     assert "_tr_tuned_before" not in vars(k)
     method(k, Launcher(64), "arg")
-    assert [c[0] for c in calls] == [k] and tk.COUNTS == {"tuned": 0, "kept": 0, "loaded": 0}
+    assert [c[0] for c in calls] == [k] and tk.COUNTS == {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 0}
 
 
 def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
@@ -191,7 +192,107 @@ def test_a_variant_left_untuned_keeps_even_its_large_kernels(wrapped):
         assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 64}  # still off
     # outside a step: by size alone
     assert method(Kernel({"x": 2 ** 22}), Launcher(64)).config.kwargs == {"XBLOCK": 1024}
-    assert tk.COUNTS == {"tuned": 2, "kept": 2, "loaded": 0}
+    assert tk.COUNTS == {"tuned": 2, "kept": 2, "unpaid": 0, "loaded": 0}
+
+
+def test_a_kernel_pays_where_its_share_of_the_runs_launch_time_exceeds_its_cost():
+    """By hand, with the measured figures: 2 s a kernel, 10% of its launches' time saved."""
+    assert (tk.KERNEL_SECONDS, tk.KERNEL_GAIN) == (2.0, 0.10)
+    steps = 185_148  # the MLPerf plan's full batches
+    assert tk.pays(0.2, 1, steps)            # 0.2 ms x 185,148 x 10% = 3.7 s
+    assert not tk.pays(0.1, 1, steps)        # 1.85 s
+    assert tk.pays(0.1, 2, steps)            # launched twice a step: 3.7 s
+    assert not tk.pays(0.2, 1, 50_000)       # a shorter run: 1.0 s
+    assert not tk.pays(float("inf"), 1, 0)   # no steps, nothing to save
+
+
+_OUTPUT_CODE = """
+triton_red_fused_7 = make('triton_red_fused_7', '''
+def call(args):
+    triton_red_fused_7.run(*args)  # the kernel's own benchmark harness, not a launch of the step
+''')
+triton_poi_fused_2 = make('triton_poi_fused_2', '''
+@triton.jit
+def triton_poi_fused_2(in_ptr0, XBLOCK: tl.constexpr): pass
+''')
+
+
+def call(args):
+    triton_red_fused_7.run(args[0])
+    triton_poi_fused_2.run(args[1])
+    triton_red_fused_7.run(args[2])
+    triton_red_fused_7.run(args[3])
+"""
+
+
+def test_launches_are_counted_in_the_module_that_launches_the_kernel(tmp_path, monkeypatch):
+    """As Inductor loads its output code (a module executed from a file of the cache), with
+    kernels that count their launches at their first run."""
+    import types
+    monkeypatch.setattr(tk, "_LAUNCHES", {})
+    path = tmp_path / "cabc.py"
+    path.write_text(_OUTPUT_CODE)
+    seen = {}
+
+    class Launched:
+        def __init__(self, name, src):
+            self.inductor_meta, self.runs = {"kernel_name": name}, 0
+
+        def run(self, *args):
+            if not self.runs:
+                seen[self.inductor_meta["kernel_name"]] = tk.launches(self)
+            self.runs += 1
+    mod = types.ModuleType("cabc")
+    mod.__file__, mod.make = str(path), Launched
+    exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)
+    mod.call([1, 2, 3, 4])
+    assert seen == {"triton_red_fused_7": 3, "triton_poi_fused_2": 1}
+    assert mod.triton_red_fused_7.runs == 3
+    # launched from code that does not hold it, or a kernel without a name: once
+    stray = Launched("triton_red_fused_7", "")
+    stray.run()
+    assert seen["triton_red_fused_7"] == 1
+    nameless = Launched("x", "")
+    nameless.inductor_meta = {}
+    assert tk.launches(nameless) == 1
+
+
+def _timed_kernel(ms, n):
+    """A large kernel whose launch takes ``ms``, launched ``n`` times a step, with Inductor's own
+    coordinate descent tuner (where the time a kernel starts from is kept)."""
+    from torch._inductor.runtime.coordinate_descent_tuner import CoordescTuner
+    k = Kernel({"x": 2 ** 22})
+    k.n, k.timed = n, []
+    k.coordesc_tuner = CoordescTuner(name="k", size_hints={"x": 2 ** 22})
+    k.bench = lambda launcher, *a, **kw: (k.timed.append((launcher.config, a, kw)), ms)[1]
+    return k
+
+
+def test_each_kernel_is_tuned_only_where_it_pays_over_the_run(wrapped, monkeypatch):
+    method, calls = wrapped
+    monkeypatch.setattr(tk, "launches", lambda kernel: kernel.n)
+    with tk.for_variant(True, 185_148):
+        short, kept, saved = _timed_kernel(0.1, 1), Launcher(64), []
+        short.save_cache_hook = lambda config, ns, **kw: saved.append((config, kw))
+        assert method(short, kept, "arg", grid=(1,)) is kept and kept.config.found_by_coordesc
+        assert calls == [] and short.timed == [(kept.config, ("arg",), {"grid": (1,)})]
+        # kept in Inductor's cache as tuned, for a process that loads the kernel not to time it
+        assert saved == [(kept.config, {"found_by_coordesc": True})]
+        long = _timed_kernel(0.2, 1)
+        assert method(long, Launcher(64), "arg").config.kwargs == {"XBLOCK": 1024} and len(calls) == 1
+        # Inductor's tuning starts from the time taken here: its tuner has it and does not time it again
+        assert long.coordesc_tuner.call_func(lambda c: pytest.fail("timed again"), long.timed[0][0]) == 0.2
+        method(_timed_kernel(0.1, 2), Launcher(64))  # a short kernel launched twice a step pays
+        assert len(calls) == 2
+        # a kernel of several configs: Inductor timed each before choosing; no time taken again
+        picked, start = _timed_kernel(1.0, 1), Launcher(64)
+        picked.coordesc_tuner.cache_benchmark_result(start.config, 0.01)
+        assert method(picked, start) is start and picked.timed == [] and len(calls) == 2
+    assert tk.COUNTS == {"tuned": 2, "kept": 0, "unpaid": 2, "loaded": 0}
+    with tk.for_variant(True):  # runtime.tuning=full: every large kernel, none timed first
+        k = _timed_kernel(0.001, 1)
+        method(k, Launcher(64))
+        assert k.timed == [] and len(calls) == 3
 
 
 def test_the_executor_says_which_variant_it_runs(monkeypatch):
@@ -207,14 +308,19 @@ def test_the_executor_says_which_variant_it_runs(monkeypatch):
     said = []
     original = tk.for_variant
 
-    def recording(tuned):
-        said.append(tuned)
-        return original(tuned)
+    def recording(tuned, steps=None):
+        said.append((tuned, steps))
+        return original(tuned, steps)
     monkeypatch.setattr(tk, "for_variant", recording)
     rt.ex.train_step("train_base")
     rt.ex.train_step("train_lowres")
     rt.ex.val_step("val_base")
-    assert said == [False, True, False] and tk._VARIANT == [True]
+    assert said == [(False, None), (True, None), (False, None)] and tk._VARIANT == [True, None]
+    # runtime.tuning=auto: the run's steps of the tuned variant, for each kernel to pay over
+    rt.ex.pc = dataclasses.replace(rt.ex.pc, tuned_steps=(1234,))
+    rt.ex.train_step("train_lowres")
+    rt.ex.train_step("train_base")
+    assert said[3:] == [(True, 1234), (False, None)] and tk._VARIANT == [True, None]
 
 
 @pytest.mark.parametrize("tune", [True, False])

@@ -124,6 +124,10 @@ def test_resolved_config_and_the_options_it_compiles_with():
     # the full training batch, not the partial one of each epoch nor validation
     assert choice.variants == ("train_base",) and got.runtime.tuning == "full" and got.tuned_variants == ("train_base",)
     assert [v.name for v in got.variants if got.tunes(v.name)] == ["train_base"]
+    # each of its kernels weighed over the run's 37 x 5,004 steps of it; the others not tuned at all
+    assert got.tuned_steps == (37 * 5004,) and choice.steps == (37 * 5004,)
+    assert [got.steps_to_pay(v.name) for v in got.variants] == [37 * 5004, None, None, None]
+    assert "of those, each kernel where 10% of its launches' time over the run exceeds the 2 s" in choice.describe()
     assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
     again, second = tuning.resolve(got, model, "cuda", True)
     assert again == got and second.variants == ("train_base",) and second.reason == "as asked"
@@ -133,6 +137,7 @@ def test_resolved_config_and_the_options_it_compiles_with():
     asked = dataclasses.replace(short, runtime=dataclasses.replace(short.runtime, tuning="full"))
     got, choice = tuning.resolve(asked, model, "cuda", True)
     assert all(got.tunes(v.name) for v in got.variants) and choice.variants == tuple(v.name for v in got.variants)
+    assert got.tuned_steps is None and not any(got.steps_to_pay(v.name) for v in got.variants)  # every kernel
     # the ImageNet run's estimate: 37 epochs of 5,005 steps and 196 validation steps, at the
     # figures measured on the H200 (a 256x224 step in 34.9 ms: 3 x 8.18 GFLOP x 256 / 1.8e14)
     assert tuning.run_steps(long) == {"train_base": 37 * 5004, "train_last": 37, "val_base": 37 * 195,

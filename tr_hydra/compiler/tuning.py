@@ -17,7 +17,9 @@ of its own) before anything compiles:
 
 A variant is tuned when its saving exceeds its cost: in an ImageNet run the full training batch,
 not the one partial batch per epoch nor validation, whose tuning would take the GPU from the
-training batch's in the parallel compiles for seconds of gain. The constants are measured
+training batch's in the parallel compiles for seconds of gain. Each kernel of a tuned variant is
+then weighed on the same terms, from its own time at its first launch and the run's steps of the
+variant (``PlanConfig.tuned_steps``; ``runtime/tuned_kernels.py``). The constants are measured
 (``docs/performance.md``, "Compile effort"). The choice depends on the plan alone, so a rerun of
 the same config chooses the same; tuned kernels are kept in Inductor's cache and in the saved
 store, and a later run of the same plan loads them without tuning again.
@@ -28,6 +30,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from tr_hydra.runtime.tuned_kernels import KERNEL_GAIN, KERNEL_SECONDS
 
 # H200, ResNet-50 at batch 256 and 224², bf16: 7,250 img/s x 3 x 8.18 GFLOP (2026-12-03)
 STEP_FLOPS_PER_S = 1.8e14
@@ -63,6 +67,8 @@ class TuningChoice:
     reason: str
     variants: tuple[str, ...] = ()  # the variants whose kernels coordinate descent tunes
     estimates: dict = field(default_factory=dict)  # auto: per variant, a VariantEstimate
+    # auto: each tuned variant's steps, over which each of its kernels' tuning must pay
+    steps: tuple[int, ...] | None = None
 
     @property
     def tune(self) -> bool:
@@ -74,6 +80,7 @@ class TuningChoice:
 
     def to_json(self) -> dict:
         return {"tune": self.tune, "asked": self.asked, "reason": self.reason, "variants": list(self.variants),
+                "steps": list(self.steps) if self.steps is not None else None,
                 "estimates": {k: dataclasses.asdict(e) | {"tune": e.tune} for k, e in self.estimates.items()}}
 
 
@@ -145,7 +152,7 @@ def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], n
         return TuningChoice(asked, "as asked")
     if asked == "full":  # every variant, or those an earlier resolution of the plan chose
         chosen = pc.tuned_variants if pc.tuned_variants is not None else tuple(v.name for v in pc.variants)
-        return TuningChoice(asked, "as asked", chosen)
+        return TuningChoice(asked, "as asked", chosen, steps=pc.tuned_steps)
     est = estimates(pc, flops_by_res, norm_layers)
     tuned = tuple(k for k, e in est.items() if e.tune)
     parts = []
@@ -153,8 +160,10 @@ def choose(pc, device_type: str, inductor: bool, flops_by_res: dict[int, int], n
         sign = "above" if e.tune else "below"
         parts.append(f"{name}: {e.steps:,} steps of about {e.seconds:,.0f} s, {GAIN:.0%} saved "
                      f"{e.saving:,.0f} s {sign} the tuning's {e.cost:,.0f} s")
-    why = "; ".join(parts) + "; runtime.tuning=full or none to choose"
-    return TuningChoice(asked, why, tuned, est)
+    each = (f"; of those, each kernel where {KERNEL_GAIN:.0%} of its launches' time over the run exceeds "
+            f"the {KERNEL_SECONDS:.0f} s its tuning takes" if tuned else "")
+    why = "; ".join(parts) + each + "; runtime.tuning=full or none to choose"
+    return TuningChoice(asked, why, tuned, est, tuple(est[k].steps for k in tuned))
 
 
 def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
@@ -168,7 +177,7 @@ def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
     norms = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in meta_model.modules())
     choice = choose(pc, device_type, inductor, flops, norms)
     tuned = dataclasses.replace(pc.runtime, tuning="full" if choice.tune else "none")
-    return dataclasses.replace(pc, runtime=tuned, tuned_variants=choice.variants), choice
+    return dataclasses.replace(pc, runtime=tuned, tuned_variants=choice.variants, tuned_steps=choice.steps), choice
 
 
 def inductor_map(runtime) -> dict:

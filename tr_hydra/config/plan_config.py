@@ -82,6 +82,9 @@ class PlanConfig:
     # the variants coordinate descent tunes, as runtime.tuning resolved them (compiler/tuning.py);
     # None: every variant, where runtime.tuning=full
     tuned_variants: tuple[str, ...] | None = None
+    # runtime.tuning=auto: the run's steps of each tuned variant, over which each of its kernels'
+    # tuning must pay (runtime/tuned_kernels.py); None: every kernel large enough is tuned
+    tuned_steps: tuple[int, ...] | None = None
 
     def describe(self) -> dict:
         """What a person recognises a plan by (named when a checkpoint does not fit)."""
@@ -105,6 +108,13 @@ class PlanConfig:
     def tunes(self, variant: str) -> bool:
         """Whether coordinate descent tunes ``variant``'s kernels (``runtime.tuning`` resolved)."""
         return self.runtime.tuning == "full" and (self.tuned_variants is None or variant in self.tuned_variants)
+
+    def steps_to_pay(self, variant: str) -> int | None:
+        """The run's steps of ``variant`` over which each kernel's tuning must pay, or None (every
+        kernel large enough is tuned, or the variant is not tuned)."""
+        if not self.tunes(variant) or self.tuned_steps is None or self.tuned_variants is None:
+            return None
+        return dict(zip(self.tuned_variants, self.tuned_steps)).get(variant)
 
     def has_variant(self, name: str) -> bool:
         return any(v.name == name for v in self.variants)

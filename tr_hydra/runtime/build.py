@@ -111,8 +111,10 @@ class Runtime:
             self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
                      "(PyTorch issue 172819): the fixed check of later releases is used")
         if options.get("coordinate_descent_tuning") and tuned_kernels.apply():
-            self.log(f"coordinate descent tunes kernels of {tuned_kernels.MIN_ELEMENTS:,} elements or more; "
-                     "smaller ones keep Inductor's config")
+            each = (f", and of those only where {tuned_kernels.KERNEL_GAIN:.0%} of their launches' time over the "
+                    f"run exceeds the {tuned_kernels.KERNEL_SECONDS:.0f} s tuning one takes" if pc.tuned_steps else "")
+            self.log(f"coordinate descent tunes kernels of {tuned_kernels.MIN_ELEMENTS:,} elements or more{each}; "
+                     "the others keep Inductor's config")
         if pc.runtime.recompute != "none":
             forward = with_recompute(forward, pc.runtime.recompute)
             self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")

@@ -362,13 +362,14 @@ class StepExecutor:
     # ------------------------------------------------------------------ steps
     def train_step(self, variant: str, buffer: str = "A") -> None:
         ctx = StepContext(variant, buffer)
-        with tuned_kernels.for_variant(self.pc.tunes(variant)):  # a first launch tunes its kernels or not
+        # a first launch tunes its kernels or not, each where it pays over the run's steps
+        with tuned_kernels.for_variant(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
             for fn in self.train_ops:
                 fn(ctx)
 
     def val_step(self, variant: str, buffer: str = "A", into: str = "val") -> None:
         ctx = StepContext(variant, buffer, extra={"into": into})
-        with torch.no_grad(), tuned_kernels.for_variant(self.pc.tunes(variant)):
+        with torch.no_grad(), tuned_kernels.for_variant(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
             for fn in self.val_ops:
                 fn(ctx)
 

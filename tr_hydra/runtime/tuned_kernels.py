@@ -12,6 +12,11 @@ keep the config Inductor chose, and only kernels of ``MIN_ELEMENTS`` or more are
 Nor are the kernels of a variant that ``runtime.tuning`` left untuned (``compiler/tuning.py``:
 ``PlanConfig.tunes``): Inductor's options are the same for every variant (one ``torch.compile``),
 so the step executor says which variant it runs (:func:`for_variant`) and the rule follows.
+Where ``runtime.tuning=auto`` chose the variant, the executor also gives the run's steps of it,
+and each kernel is weighed on its own (:func:`pays`): its config is timed once (the time
+coordinate descent starts from, so it is not timed again), its launches in a step are counted in
+the Inductor module that launches it (:func:`launches`), and it is tuned only where
+``KERNEL_GAIN`` of their time over the run exceeds ``KERNEL_SECONDS``.
 
 The rule is applied where the kernel is first launched, in the process that tunes (the parallel
 compiles' children and the training process alike), by wrapping
@@ -20,14 +25,18 @@ compile, an earlier run) takes the config that process found, from Inductor's au
 where Inductor's own check misses it (``inductor_compat.cached_coordesc_config``). That entry is
 read before Inductor benchmarks the kernel's configs (``autotune_to_one_config``), whose pick is
 saved over it, and written back once the kernel runs with it. A kept kernel's config is marked as
-settled, so it is not weighed again at its next launch; nothing is written to Inductor's cache for
-it, and a later process that loads it makes the same choice. Kernels Inductor never tunes
-(templates, fixed configs, a deterministic run's reductions) are left to Inductor.
+settled, so it is not weighed again at its next launch. A small one has nothing written to
+Inductor's cache (a later process that loads it makes the same choice); one too short to pay is
+saved there as a tuning's result would be, so a later process loads it without timing it.
+Kernels Inductor never tunes (templates, fixed configs, a deterministic run's reductions) are
+left to Inductor.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import re
+import sys
 
 # 2^20 elements: above every per-channel or per-split kernel of the models here (at most a few
 # thousand channels times a few hundred splits), below every activation-sized one (ResNet-50's
@@ -35,11 +44,21 @@ import math
 # ResNet-50's training step at batch 256 on the H200 (2026-12-03): 80 kernels of 2^23 elements or
 # more tuned in 134 s, 48 of 2^19 or fewer kept; tuning every one of them took 210 s
 MIN_ELEMENTS = 1 << 20
+# What tuning one kernel costs and saves, the MLPerf plan's full batch of ResNet-50 cold with
+# ReLU's masks (H100, 2026-12-05, Inductor's log of each kernel's time before and after): 79
+# kernels took 158.6 s in coordinate descent, 2.0 s each on average, and saved 10.4% of their
+# launches' time (3.4 ms of 33.1 ms a step, each kernel's launches counted in the step's code)
+KERNEL_SECONDS = 2.0
+KERNEL_GAIN = 0.10
 
 _APPLIED: list = []  # the original coordinate_descent_tuning, once wrapped
-# kernels this process tuned, kept at Inductor's config, and loaded as an earlier process tuned them
-COUNTS = {"tuned": 0, "kept": 0, "loaded": 0}
-_VARIANT = [True]  # whether the variant the executor runs now is tuned
+# kernels this process tuned, kept at Inductor's config (small ones, and those timed too short to
+# pay: "unpaid"), and loaded as an earlier process tuned them
+COUNTS = {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 0}
+# whether the variant the executor runs now is tuned, and the run's steps of it over which each
+# kernel's tuning must pay (None: every kernel large enough is tuned)
+_VARIANT = [True, None]
+_LAUNCHES: dict = {}  # per Inductor module file: {kernel name: launches in it}
 
 
 def elements(size_hints) -> int:
@@ -56,15 +75,61 @@ def worth_tuning(size_hints, least: int = MIN_ELEMENTS) -> bool:
     return elements(size_hints) >= least
 
 
+def pays(ms: float, launches: int, steps: int) -> bool:
+    """Whether tuning a kernel whose launch takes ``ms`` milliseconds, launched ``launches`` times
+    a step, is expected to save more over ``steps`` steps than it costs."""
+    return ms * 1e-3 * launches * steps * KERNEL_GAIN > KERNEL_SECONDS
+
+
+def launches(kernel) -> int:
+    """How many times a step launches ``kernel``: the ``.run(`` calls of its name in the Inductor
+    module whose code is launching it (found among the calling frames; kernels of the same source
+    are one kernel, launched once per use), outside the kernels' own source strings. 1 where no
+    such module is found or read."""
+    name = (getattr(kernel, "inductor_meta", None) or {}).get("kernel_name")
+    frame = sys._getframe(1)
+    while name and frame is not None:
+        if frame.f_globals.get(name) is kernel:
+            path = frame.f_globals.get("__file__")
+            if path not in _LAUNCHES:
+                try:
+                    with open(path) as f:
+                        code = re.sub(r"'''.*?'''", "", f.read(), flags=re.S)
+                except (OSError, TypeError):
+                    return 1
+                counts: dict = {}
+                for m in re.finditer(r"\b(\w+)\.run\(", code):
+                    counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+                _LAUNCHES[path] = counts
+            return max(1, _LAUNCHES[path].get(name, 0))
+        frame = frame.f_back
+    return 1
+
+
+def _first_time(kernel, launcher, args, kwargs) -> float:
+    """``launcher``'s time in milliseconds, as coordinate descent times it; kept in its tuner's
+    results, where Inductor takes it as the time to improve on instead of timing it again."""
+    tuner = getattr(kernel, "coordesc_tuner", None)
+    known = tuner.lookup_in_cache(launcher.config) if tuner is not None else None
+    if known is not None:  # Inductor timed the kernel's configs before (autotune_to_one_config)
+        return known
+    ms = kernel.bench(launcher, *args, **kwargs)
+    if tuner is not None:
+        tuner.cache_benchmark_result(launcher.config, ms)
+    return ms
+
+
 @contextlib.contextmanager
-def for_variant(tuned: bool):
+def for_variant(tuned: bool, steps: int | None = None):
     """The kernels first launched inside belong to a variant that is (``tuned``) or is not tuned;
-    outside, every kernel is weighed by its size alone (``tr-bench``'s PyTorch modes)."""
-    was, _VARIANT[0] = _VARIANT[0], tuned
+    with ``steps`` (``runtime.tuning=auto``), each of its kernels is tuned only where that pays
+    over the run's ``steps`` of it. Outside, every kernel is weighed by its size alone
+    (``tr-bench``'s PyTorch modes)."""
+    was, _VARIANT[:] = list(_VARIANT), [tuned, steps]
     try:
         yield
     finally:
-        _VARIANT[0] = was
+        _VARIANT[:] = was
 
 
 _UNREAD = object()
@@ -118,9 +183,17 @@ def apply() -> bool:
             if loaded is not None:
                 COUNTS["loaded"] += 1
                 return loaded
-            COUNTS["tuned"] += 1
-            return original(self, launcher, *args, **kwargs)
-        COUNTS["kept"] += 1
+            steps = _VARIANT[1]
+            if steps is None or pays(_first_time(self, launcher, args, kwargs), launches(self), steps):
+                COUNTS["tuned"] += 1
+                return original(self, launcher, *args, **kwargs)
+            COUNTS["unpaid"] += 1
+            save = getattr(self, "save_cache_hook", None)
+            if save:  # kept as a tuning's result: a process that loads the kernel times nothing
+                with contextlib.suppress(OSError):
+                    save(launcher.config, 0, found_by_coordesc=True)
+        else:
+            COUNTS["kept"] += 1
         launcher.config.found_by_coordesc = True  # settled: Inductor's config stays
         return launcher
 

@@ -31,8 +31,7 @@ def _counters() -> dict:
             out[k] = int(counters[group][k])
     from tr_hydra.runtime import tuned_kernels
     if tuned_kernels.applied():
-        out.update(kernels_tuned=tuned_kernels.COUNTS["tuned"], kernels_kept=tuned_kernels.COUNTS["kept"],
-                   kernels_loaded=tuned_kernels.COUNTS["loaded"])
+        out.update({f"kernels_{k}": n for k, n in tuned_kernels.COUNTS.items()})
     return out
 
 
