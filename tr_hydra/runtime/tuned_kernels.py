@@ -149,13 +149,18 @@ def _tuned_before(kernel, launcher):
         made = compat.launcher_for(kernel, launcher, best)
     except Exception:  # noqa: BLE001 - a config this device cannot compile: tune instead
         return None
-    save = getattr(kernel, "save_cache_hook", None)
-    if made is not None and before is not _UNREAD and save:
-        try:  # the entry again holds the tuned config, for the next process that loads the kernel
-            save(made.config, 0, found_by_coordesc=True)
-        except OSError:
-            pass
+    if made is not None and before is not _UNREAD:
+        _save_as_tuned(kernel, made.config)  # the entry again holds it, for the next process
     return made
+
+
+def _save_as_tuned(kernel, config) -> None:
+    """``config`` written to ``kernel``'s entry in Inductor's autotune cache as coordinate
+    descent's result, so a process that loads the kernel takes it without timing anything."""
+    save = getattr(kernel, "save_cache_hook", None)
+    if save:
+        with contextlib.suppress(OSError):
+            save(config, 0, found_by_coordesc=True)
 
 
 def apply() -> bool:
@@ -188,10 +193,7 @@ def apply() -> bool:
                 COUNTS["tuned"] += 1
                 return original(self, launcher, *args, **kwargs)
             COUNTS["unpaid"] += 1
-            save = getattr(self, "save_cache_hook", None)
-            if save:  # kept as a tuning's result: a process that loads the kernel times nothing
-                with contextlib.suppress(OSError):
-                    save(launcher.config, 0, found_by_coordesc=True)
+            _save_as_tuned(self, launcher.config)
         else:
             COUNTS["kept"] += 1
         launcher.config.found_by_coordesc = True  # settled: Inductor's config stays
