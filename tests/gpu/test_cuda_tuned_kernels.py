@@ -19,7 +19,7 @@ import copy, json, sys, torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.runtime import triton_heuristics as th
-from tr_hydra.runtime import inductor_compat, tuned_kernels
+from tr_hydra.runtime import compile_ahead, inductor_compat, tuned_kernels
 inductor_compat.apply()
 picks = []  # large kernels whose several configs Inductor benchmarked first, saving its pick
 if sys.argv[1] in ("rule", "untuned", "drift"):
@@ -55,7 +55,7 @@ loss.backward()
 torch.cuda.synchronize()
 print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
                               "benchmarks": counters["inductor"]["coordesc_tuning_bench"],
-                              "counts": tuned_kernels.COUNTS, "picks": sum(picks), "launches": seen, "loss": loss.item(),
+                              "counts": tuned_kernels.COUNTS, "ahead": compile_ahead.COUNTS, "picks": sum(picks), "launches": seen, "loss": loss.item(),
                               "grad": m[0].weight.grad.float().norm().item(),
                               "ref_loss": ref_loss.item(), "ref_grad": ref[0].weight.grad.norm().item()}))
 """
@@ -73,6 +73,9 @@ def test_small_kernels_keep_their_config_and_a_load_runs_no_benchmark(tmp_path):
     # marks it as tuned): none of them may pass for a tuned kernel
     assert first["picks"] > 0 and first["counts"]["loaded"] == 0, first
     assert 0 < first["benchmarks"] < every["benchmarks"]
+    # each tuned kernel's candidates compiled ahead in Inductor's workers, and timed after
+    assert first["ahead"]["timed"] > 0 and first["ahead"]["failed"] == 0, first
+    assert every["ahead"]["ahead"] == 0  # Inductor's own tuning, not tr_hydra's: nothing ahead
     again = _run(tmp_path / "rule", "rule")  # loads the compile and the tuned configs
     assert again["hit"] >= 2 and again["benchmarks"] == 0 and again["counts"]["tuned"] == 0
     # the loaded configs hash otherwise than the list the tuning saved its result under (as where

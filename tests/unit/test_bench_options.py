@@ -183,7 +183,8 @@ def _mix(startup: dict | None = None, **r) -> dict:
 def test_the_mix_table_says_what_each_child_and_the_main_process_compiled():
     children = {"train_last": {"ok": True, "seconds": 43.4, "start": "fork", "start_s": 0.1, "import_s": 2.0,
                                "trainer_s": 3.0, "step_s": 40.0, "kernels_tuned": 80, "kernels_kept": 53,
-                               "kernels_unpaid": 12, "kernels_loaded": 4, "saved_s": {"train_last": 34.5}},
+                               "kernels_unpaid": 12, "kernels_loaded": 4, "candidates_ahead": 560,
+                               "saved_s": {"train_last": 34.5}},
                 "val_last": {"ok": False, "seconds": 17.8, "start": "fork", "step_s": 15.0,
                              "saved_s": {"val_last": 2.0}, "saved_errors": {"val_last": "RuntimeError: cannot serialize"}},
                 "val_base": {"ok": None, "seconds": 0.0}}
@@ -194,7 +195,8 @@ def test_the_mix_table_says_what_each_child_and_the_main_process_compiled():
     line = next(ln for ln in lines if "parallel compiles" in ln)
     assert line.startswith("tr: parallel compiles (fork; the launcher could fork after 3.8s): ")
     assert ("train_last 43.4s (start 0.1s, import 2.0s, runtime 3.0s, step 40.0s, 80 kernels tuned, 53 small "
-            "ones kept, 12 too short to pay, 4 as tuned before, compiled whole and saved in 34.5s)") in line
+            "ones kept, 12 too short to pay, 4 as tuned before, 560 candidates compiled ahead, compiled whole and "
+            "saved in 34.5s)") in line
     assert "val_last 17.8s (failed) (step 15.0s, not saved (RuntimeError: cannot serialize))" in line
     assert "val_base here" in line
     assert "tr: the main process loaded 1 saved compile in 0.6s: train_last 0.59s" in lines

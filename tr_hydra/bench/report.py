@@ -117,7 +117,8 @@ def children_line(children: dict | None, launcher_ready: float | None, launcher_
         if c.get("kernels_tuned") is not None:  # runtime.tuning chose coordinate descent
             split.append(f"{c['kernels_tuned']} kernels tuned, {c.get('kernels_kept', 0)} small ones kept"
                          + (f", {c['kernels_unpaid']} too short to pay" if c.get("kernels_unpaid") else "")
-                         + (f", {c['kernels_loaded']} as tuned before" if c.get("kernels_loaded") else ""))
+                         + (f", {c['kernels_loaded']} as tuned before" if c.get("kernels_loaded") else "")
+                         + (f", {c['candidates_ahead']} candidates compiled ahead" if c.get("candidates_ahead") else ""))
         for v, t in (c.get("saved_s") or {}).items():  # compiled whole and saved for the main process
             split.append(f"compiled whole and saved in {t:.1f}s" if v not in (c.get("saved_errors") or {})
                          else f"not saved ({c['saved_errors'][v][:80]})")

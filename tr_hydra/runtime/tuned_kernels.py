@@ -29,7 +29,7 @@ settled, so it is not weighed again at its next launch. A small one has nothing 
 Inductor's cache (a later process that loads it makes the same choice); one too short to pay is
 saved there as a tuning's result would be, so a later process loads it without timing it.
 Kernels Inductor never tunes (templates, fixed configs, a deterministic run's reductions) are
-left to Inductor.
+left to Inductor. A kernel that is tuned has its candidates compiled ahead (``compile_ahead``).
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def apply() -> bool:
     in place."""
     if _APPLIED:
         return True
-    from tr_hydra.runtime import inductor_compat as compat
+    from tr_hydra.runtime import compile_ahead, inductor_compat as compat
     found = compat.autotuner_method("coordinate_descent_tuning")
     if found is None:
         return False
@@ -191,7 +191,7 @@ def apply() -> bool:
             steps = _VARIANT[1]
             if steps is None or pays(_first_time(self, launcher, args, kwargs), launches(self), steps):
                 COUNTS["tuned"] += 1
-                return original(self, launcher, *args, **kwargs)
+                return compile_ahead.tuning(self, lambda: original(self, launcher, *args, **kwargs))
             COUNTS["unpaid"] += 1
             _save_as_tuned(self, launcher.config)
         else:

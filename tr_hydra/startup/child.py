@@ -29,9 +29,10 @@ def _counters() -> dict:
                         ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"))):
         for k in keys:
             out[k] = int(counters[group][k])
-    from tr_hydra.runtime import tuned_kernels
+    from tr_hydra.runtime import compile_ahead, tuned_kernels
     if tuned_kernels.applied():
         out.update({f"kernels_{k}": n for k, n in tuned_kernels.COUNTS.items()})
+        out.update({f"candidates_{k}": n for k, n in compile_ahead.COUNTS.items()})
     return out
 
 
