@@ -1,6 +1,7 @@
 """Coordinate descent's candidates compiled ahead (``tr_hydra.runtime.compile_ahead``): Inductor's
 own tuner walks as it would alone, and a config a worker compiled is one the tuner then loads."""
 import copy
+import functools
 import math
 import re
 from concurrent.futures import Future
@@ -107,6 +108,7 @@ def test_without_a_pool_the_tuning_runs_as_inductors(monkeypatch):
     assert "autotune" not in vars(kernel.coordesc_tuner)
 
 
+@functools.lru_cache(maxsize=None)
 def _cuda_kernel_source():
     """The source of a Triton kernel module Inductor generates for a pointwise op over 2^20
     elements, made for a CUDA device of compute capability 9.0 (generated on the CPU)."""
@@ -134,7 +136,7 @@ def test_a_config_compiled_in_a_worker_is_loaded_by_the_tuners_compile(tmp_path,
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     path = tmp_path / f"{name}.py"
     path.write_text(source)
-    kernel = getattr(PyCodeCache.load(source), name)
+    kernel = getattr(PyCodeCache.load(source, extra=str(tmp_path)), name)  # this test's own copy
     first, second = ca.neighbours(kernel.coordesc_tuner, copy.deepcopy(kernel.configs[0]))[:2]
     entries = lambda: len(list(cache.iterdir())) if cache.exists() else 0  # noqa: E731
     ca.compile_candidate(str(path), name, first, {"TRITON_CACHE_DIR": str(cache)}, {})  # the worker's job
@@ -168,3 +170,73 @@ def test_a_kernel_the_rule_tunes_has_its_candidates_compiled_ahead(monkeypatch):
         best = th.CachingAutotuner.coordinate_descent_tuning(kernel, Launcher())
     assert (best.kwargs, best.num_warps) == ({"XBLOCK": 512}, 8) and len(pool.jobs) > 3
     assert tk.COUNTS["tuned"] == 1
+
+
+def test_this_process_compiles_with_the_workers_ptxas(monkeypatch):
+    compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch._inductor.runtime import compile_tasks
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "unset")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")  # absent, and absent again after the test
+    monkeypatch.setattr(ca, "_ALIGNED", [])
+    made = []
+
+    def workers_ptxas():  # as Inductor's workers set it where PyTorch ships a ptxas
+        made.append(1)
+        import os
+        os.environ["TRITON_PTXAS_PATH"] = "/torch/bin/ptxas"
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", workers_ptxas)
+    compiler.get_ptxas_version(90)  # this process's version, kept for Triton's cache key
+    ca.same_ptxas_as_workers()
+    import os
+    assert os.environ["TRITON_PTXAS_PATH"] == "/torch/bin/ptxas"
+    assert compiler.get_ptxas_version.cache_info().currsize == 0  # read again from the new one
+    ca.same_ptxas_as_workers()
+    assert made == [1]
+
+
+def _compile_without_gpu(*args):
+    """``compile_candidate`` in a compile worker of this machine, which has no GPU to select."""
+    from torch._inductor.runtime import triton_helpers
+    triton_helpers.set_driver_to_gpu = lambda: None
+    ca.compile_candidate(*args)
+
+
+def test_inductors_workers_compile_the_candidates_the_tuner_then_loads(tmp_path, monkeypatch):
+    pytest.importorskip("triton.backends.nvidia")
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.compile_worker.subproc_pool import SubprocPool
+    from torch._inductor.runtime import triton_helpers
+    name, source = _cuda_kernel_source()
+    monkeypatch.setattr(triton_helpers, "set_driver_to_gpu", lambda: None)
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setattr(ca, "COUNTS", {"ahead": 0, "timed": 0, "failed": 0})
+    monkeypatch.setattr(ca, "_STUCK", [])
+    kernel = getattr(PyCodeCache.load(source, extra=str(tmp_path)), name)  # this test's own copy
+    start = copy.deepcopy(kernel.configs[0])
+    candidates = ca.neighbours(kernel.coordesc_tuner, start)
+    # this process as the tuning finds it: its ptxas Triton's own, unless PyTorch ships one
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "unset")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(ca, "_ALIGNED", [])
+    pytest.importorskip("triton.backends.nvidia.compiler").get_ptxas_version.cache_clear()
+    pool = SubprocPool(2)  # Inductor's compile workers, started as Inductor starts them
+    ca.same_ptxas_as_workers()  # as the tuning does
+
+    class WithoutGpu:
+        def submit(self, fn, *args):
+            assert fn is ca.compile_candidate
+            return pool.submit(_compile_without_gpu, *args)
+    try:
+        ahead = ca.Ahead(kernel, kernel.coordesc_tuner, WithoutGpu())
+        ahead.around(start)
+        for candidate in candidates:
+            ahead.wait(candidate)
+    finally:
+        pool.shutdown()
+    assert ca.COUNTS == {"ahead": len(candidates), "timed": len(candidates), "failed": 0}
+    compiled = len(list(cache.iterdir()))
+    assert compiled >= len(candidates)
+    for candidate in candidates:  # the tuner's compiles: each found in Triton's cache
+        kernel._precompile_config(candidate)
+    assert len(list(cache.iterdir())) == compiled

@@ -9,6 +9,7 @@ Inductor's pool of compile workers, which compile it into Triton's cache the way
 kernel's first configs (``precompile(warm_cache_only=True)``); the tuner's own compile of the
 candidate then loads it. The walk, the timings and the config chosen stay Inductor's: a candidate
 is timed once its compile has come back, or failed (the tuner then compiles it itself, as before).
+Triton keys its cache by the ptxas that compiled, so this process is first given the workers' one.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 # wait the workers are taken to be stuck and the process's later tunings compile as Inductor's do
 WAIT_S = 30.0
 _STUCK: list = []
+_ALIGNED: list = []  # this process's ptxas made the workers' (same_ptxas_as_workers)
 # candidates handed to the workers, those of them the tuner then timed, and of those the ones whose
 # compile in a worker failed or did not come back in time (the tuner compiled them itself)
 COUNTS = {"ahead": 0, "timed": 0, "failed": 0}
@@ -57,6 +59,25 @@ def compile_candidate(path: str, name: str, config, env: dict, patch: dict) -> N
         kernel.precompile(warm_cache_only=True)
 
 
+def same_ptxas_as_workers() -> None:
+    """Make this process's Triton compiles use the ptxas Inductor's workers use. The workers take
+    PyTorch's own where it ships one (``_set_triton_ptxas_path``, as they start), this process
+    Triton's unless told otherwise, and Triton's cache key holds the ptxas version: with two
+    versions no compile of a worker would be found here. Once a process."""
+    if _ALIGNED or os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    _ALIGNED.append(True)
+    from torch._inductor.runtime import compile_tasks
+    workers = getattr(compile_tasks, "_set_triton_ptxas_path", lambda: None)
+    getattr(workers, "__wrapped__", workers)()  # kept once a process (2.11): its work itself
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        try:  # the version Triton keeps for its cache key, read again from the new ptxas
+            from triton.backends.nvidia import compiler
+            compiler.get_ptxas_version.cache_clear()
+        except (ImportError, AttributeError):
+            pass
+
+
 def _pool():
     """Inductor's pool of compile workers where it compiles in parallel, else None."""
     try:
@@ -74,7 +95,7 @@ class Ahead:
         from torch._inductor.runtime.runtime_utils import triton_config_to_hashable
         self.key, self.tuner, self.pool = triton_config_to_hashable, tuner, pool
         self.path, self.name = kernel.filename, kernel.inductor_meta.get("kernel_name")
-        self.env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+        self.env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")
                     if v in os.environ}
         self.patch = ({"use_static_triton_launcher": inductor_config.use_static_triton_launcher}
                       if hasattr(inductor_config, "use_static_triton_launcher") else {})
@@ -116,6 +137,7 @@ def tuning(kernel, run, pool=None):
     if pool is None or tuner is None or not getattr(kernel, "filename", None) \
             or not (getattr(kernel, "inductor_meta", None) or {}).get("kernel_name"):
         return run()
+    same_ptxas_as_workers()
     ahead, walk = Ahead(kernel, tuner, pool), tuner.autotune
 
     def autotune(func, baseline_config, baseline_timing=None):
