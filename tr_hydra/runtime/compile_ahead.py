@@ -6,8 +6,8 @@ Triton's cache kept from an earlier run (every candidate found compiled) took it
 compile in 92.9 s against 205.1 s. So at the start of a kernel's tuning, and whenever its best
 config changes, every config one step from that best (those the tuner may time next) goes to
 Inductor's pool of compile workers, which compile it into Triton's cache the way they compile a
-kernel's first configs (``precompile(warm_cache_only=True)``); the tuner's own compile of the
-candidate then loads it. The walk, the timings and the config chosen stay Inductor's: a candidate
+kernel's first configs (``_precompile_config``); the tuner's own compile of the candidate then
+loads it. The walk, the timings and the config chosen stay Inductor's: a candidate
 is timed once its compile has come back, or failed (the tuner then compiles it itself, as before).
 Triton keys its cache by the ptxas that compiled, so this process is first given the workers' one.
 """
@@ -45,7 +45,9 @@ def neighbours(tuner, config) -> list:
 
 def compile_candidate(path: str, name: str, config, env: dict, patch: dict) -> None:
     """In a compile worker: kernel ``name`` of the Inductor module at ``path`` compiled at
-    ``config`` into Triton's cache, as Inductor's workers compile a kernel's first configs."""
+    ``config`` into Triton's cache, by the call Inductor's workers compile a kernel's first configs
+    with (``_precompile_config``; not ``precompile``, which compiles a kernel's configs once and
+    then only returns, where one worker compiles several candidates of a kernel)."""
     os.environ.update(env)
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import PyCodeCache
@@ -54,9 +56,7 @@ def compile_candidate(path: str, name: str, config, env: dict, patch: dict) -> N
     with open(path) as f:
         source = f.read()
     with inductor_config.patch(patch):
-        kernel = getattr(PyCodeCache.load(source), name)
-        kernel.configs = [config]
-        kernel.precompile(warm_cache_only=True)
+        getattr(PyCodeCache.load(source), name)._precompile_config(config)
 
 
 def same_ptxas_as_workers() -> None:
