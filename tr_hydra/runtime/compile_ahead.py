@@ -16,6 +16,9 @@ from __future__ import annotations
 import copy
 import os
 
+# how far ahead of the tuner's best config its candidates are compiled: 1, the configs it may
+# time next; 2, also those it would time after moving to one of them
+DEPTH = 1
 # longest wait for a worker's compile before the tuner compiles the config itself; after one such
 # wait the workers are taken to be stuck and the process's later tunings compile as Inductor's do
 WAIT_S = 30.0
@@ -102,19 +105,21 @@ class Ahead:
         self.futures: dict = {}
 
     def around(self, config) -> None:
-        """Hand every neighbour of ``config`` not yet handed or timed to the workers."""
-        if _STUCK:
-            return
-        for candidate in neighbours(self.tuner, config):
-            key = self.key(candidate)
-            if key in self.futures or self.tuner.lookup_in_cache(candidate) is not None:
-                continue
-            try:
-                self.futures[key] = self.pool.submit(compile_candidate, self.path, self.name,
-                                                     candidate, self.env, self.patch)
-            except Exception:  # noqa: BLE001 - a pool that cannot take it: compiled when timed
-                return
-            COUNTS["ahead"] += 1
+        """Hand every config within ``DEPTH`` steps of ``config`` not yet handed or timed to the
+        workers, the nearest first."""
+        ring = [config]
+        for _ in range(DEPTH):
+            ring = [c for near in ring for c in neighbours(self.tuner, near)]
+            for candidate in ring:
+                key = self.key(candidate)
+                if _STUCK or key in self.futures or self.tuner.lookup_in_cache(candidate) is not None:
+                    continue
+                try:
+                    self.futures[key] = self.pool.submit(compile_candidate, self.path, self.name,
+                                                         candidate, self.env, self.patch)
+                except Exception:  # noqa: BLE001 - a pool that cannot take it: compiled when timed
+                    return
+                COUNTS["ahead"] += 1
 
     def wait(self, config) -> None:
         """Until ``config``'s compile in a worker has come back, if it was handed to one."""
