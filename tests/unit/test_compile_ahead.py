@@ -196,6 +196,22 @@ def test_this_process_compiles_with_the_workers_ptxas(monkeypatch):
     assert made == [1]
 
 
+def test_a_ptxas_named_after_triton_read_its_version_is_read_again(monkeypatch):
+    """Inductor names PyTorch's ptxas in this process too when it compiles a kernel here (as it does
+    while its workers start), after Triton may have read its own one's version for a cache key: the
+    version is read again, or no compile of a worker would be found here."""
+    compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch._inductor.runtime import compile_tasks
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "unset")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(ca, "_ALIGNED", [])
+    compiler.get_ptxas_version(90)  # read for a cache key before any ptxas was named
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/torch/bin/ptxas")  # Inductor's in-process compile
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: pytest.fail("named already"))
+    ca.same_ptxas_as_workers()
+    assert compiler.get_ptxas_version.cache_info().currsize == 0
+
+
 def _compile_without_gpu(*args):
     """``compile_candidate`` in a compile worker of this machine, which has no GPU to select."""
     from torch._inductor.runtime import triton_helpers

@@ -67,14 +67,18 @@ def same_ptxas_as_workers() -> None:
     PyTorch's own where it ships one (``_set_triton_ptxas_path``, as they start), this process
     Triton's unless told otherwise, and Triton's cache key holds the ptxas version: with two
     versions no compile of a worker would be found here. Once a process."""
-    if _ALIGNED or os.environ.get("TRITON_PTXAS_PATH") is not None:
+    if _ALIGNED:
         return
     _ALIGNED.append(True)
-    from torch._inductor.runtime import compile_tasks
-    workers = getattr(compile_tasks, "_set_triton_ptxas_path", lambda: None)
-    getattr(workers, "__wrapped__", workers)()  # kept once a process (2.11): its work itself
+    if os.environ.get("TRITON_PTXAS_PATH") is None:
+        from torch._inductor.runtime import compile_tasks
+        workers = getattr(compile_tasks, "_set_triton_ptxas_path", lambda: None)
+        getattr(workers, "__wrapped__", workers)()  # kept once a process (2.11): its work itself
     if os.environ.get("TRITON_PTXAS_PATH") is not None:
-        try:  # the version Triton keeps for its cache key, read again from the new ptxas
+        # the version Triton keeps for its cache key, read again from the ptxas now named: it may
+        # have been read before the name was set, here or by Inductor compiling a kernel in this
+        # process (as it does while its workers start), which sets it as the workers do
+        try:
             from triton.backends.nvidia import compiler
             compiler.get_ptxas_version.cache_clear()
         except (ImportError, AttributeError):
