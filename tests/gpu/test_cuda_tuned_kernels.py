@@ -50,6 +50,13 @@ def marked(self, *a, **kw):
     finally:
         tuning.pop()
 th.CachingAutotuner.coordinate_descent_tuning = marked
+# Inductor's compile workers ready, as they are long before a real plan's tuning (a kernel tuned
+# while they start is tuned as Inductor tunes it, its candidates compiled by the tuner)
+import time
+from torch._inductor.async_compile import AsyncCompile
+until = time.time() + 120
+while not AsyncCompile.use_process_pool() and time.time() < until:
+    time.sleep(0.1)
 steps = int(sys.argv[1][6:]) if sys.argv[1].startswith("steps:") else None
 variant = tuned_kernels.for_variant(sys.argv[1] != "untuned", steps)  # "untuned": a variant runtime.tuning left out
 variant.__enter__()
