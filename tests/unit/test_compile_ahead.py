@@ -259,16 +259,3 @@ def test_inductors_workers_compile_the_candidates_the_tuner_then_loads(tmp_path,
     for candidate in candidates:  # the tuner's compiles: each found in Triton's cache
         kernel._precompile_config(candidate)
     assert len(list(cache.iterdir())) == compiled
-
-
-def test_two_steps_ahead_every_config_the_tuner_times_after_moving_is_handed_out_before(monkeypatch):
-    monkeypatch.setattr(ca, "DEPTH", 2)
-    monkeypatch.setattr(ca, "COUNTS", {"ahead": 0, "timed": 0, "failed": 0})
-    kernel, pool, start = Kernel(), Pool(), triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1)
-    ahead = ca.Ahead(kernel, kernel.coordesc_tuner, pool)
-    ahead.around(start)
-    handed = [_key(args[2]) for fn, args in pool.jobs]
-    near = [_key(c) for c in ca.neighbours(kernel.coordesc_tuner, start)]
-    far = {_key(c) for n in ca.neighbours(kernel.coordesc_tuner, start) for c in ca.neighbours(kernel.coordesc_tuner, n)}
-    assert handed[:len(near)] == near  # the nearest first
-    assert set(handed) == (set(near) | far) and len(handed) == len(set(handed))
