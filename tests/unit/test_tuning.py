@@ -127,7 +127,7 @@ def test_resolved_config_and_the_options_it_compiles_with():
     # each of its kernels weighed over the run's 37 x 5,004 steps of it; the others not tuned at all
     assert got.tuned_steps == (37 * 5004,) and choice.steps == (37 * 5004,)
     assert [got.steps_to_pay(v.name) for v in got.variants] == [37 * 5004, None, None, None]
-    assert "of those, each kernel where 10% of its launches' time over the run exceeds the 2 s" in choice.describe()
+    assert "of those, each kernel where 10% of its launches' time over the run exceeds the 1 s" in choice.describe()
     assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
     again, second = tuning.resolve(got, model, "cuda", True)
     assert again == got and second.variants == ("train_base",) and second.reason == "as asked"

@@ -3,7 +3,7 @@
 Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of a
 Triton kernel's block sizes at its first launch and keeps the fastest; tr_hydra gives it only the
 kernels large enough to gain (``runtime/tuned_kernels.py``). On the H200 it makes ResNet-50's step
-5-10% faster and costs about two minutes more before the first step: worth it for an ImageNet run
+5-10% faster and costs about a minute more before the first step: worth it for an ImageNet run
 of 37 epochs, a loss for a short one. ``auto`` weighs the two for each variant (each is a compile
 of its own) before anything compiles:
 
@@ -41,9 +41,10 @@ STEP_FLOPS_PER_S = 1.8e14
 GAIN = 0.05
 # ResNet-50 (53 BatchNorm layers) with ReLU's one-bit masks, the MLPerf plan cold, only its full
 # training batch tuned and only kernels over 2^20 elements (runtime/tuned_kernels.py): coordinate
-# descent took 161.6 s of that variant's compile, 79 kernels (H200, 2026-12-05; 121-134 s before
-# the masks, 2026-12-03)
-TUNE_SECONDS_PER_NORM = 3.0
+# descent took 161.6 s of that variant's compile, 79 kernels (H200, 2026-12-05); with the
+# candidates compiled ahead (runtime/compile_ahead.py) it takes 0.44 of that (59.7 s against
+# 136.8 s on one H100, the same 63 kernels): 71 s, 1.3 s a layer
+TUNE_SECONDS_PER_NORM = 1.3
 # a validation variant's coordinate descent against a training variant's of the same plan:
 # ResNet-50's 80x224 validation batch 28.5 s, its 143x224 training batch 165.9 s (H100, 2026-12-05)
 VAL_SHARE = 0.17

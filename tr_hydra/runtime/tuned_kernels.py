@@ -45,10 +45,12 @@ import sys
 # more tuned in 134 s, 48 of 2^19 or fewer kept; tuning every one of them took 210 s
 MIN_ELEMENTS = 1 << 20
 # What tuning one kernel costs and saves, the MLPerf plan's full batch of ResNet-50 cold with
-# ReLU's masks (H100, 2026-12-05, Inductor's log of each kernel's time before and after): 79
-# kernels took 158.6 s in coordinate descent, 2.0 s each on average, and saved 10.4% of their
-# launches' time (3.4 ms of 33.1 ms a step, each kernel's launches counted in the step's code)
-KERNEL_SECONDS = 2.0
+# ReLU's masks (H100, 2026-12-05): its 63 kernels that paid took 58.9-60.5 s in coordinate descent
+# with their candidates compiled ahead (compile_ahead), 1.0 s each, against 136.8 s without on the
+# same machine; Inductor's log of each kernel's time before and after (every one of the 79 tuned)
+# gives 10.4% of their launches' time saved (3.4 ms of 33.1 ms a step, each kernel's launches
+# counted in the step's code)
+KERNEL_SECONDS = 1.0
 KERNEL_GAIN = 0.10
 
 _APPLIED: list = []  # the original coordinate_descent_tuning, once wrapped
