@@ -12,6 +12,7 @@ Triton keys its cache by the ptxas that compiled, so this process is first given
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import os
 
@@ -127,7 +128,7 @@ class Ahead:
                 future.result(timeout=WAIT_S)
             except Exception as e:  # noqa: BLE001 - failed or slow: the tuner compiles it itself
                 COUNTS["failed"] += 1
-                if isinstance(e, TimeoutError):
+                if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError)):  # one class from 3.11
                     _STUCK.append(self.name)
 
 
