@@ -1,14 +1,16 @@
 """Coordinate descent's candidates compiled ahead, in Inductor's compile workers.
 
 Coordinate descent times a kernel's neighbouring configs one after another, and most of its time
-is Triton compiling each candidate just before timing it: ResNet-50's MLPerf plan on an H100 with
-Triton's cache kept from an earlier run (every candidate found compiled) took its full batch's
-compile in 92.9 s against 205.1 s. So at the start of a kernel's tuning, and whenever its best
-config changes, every config one step from that best (those the tuner may time next) goes to Inductor's pool of compile workers, which compile it into Triton's cache the way
-they compile a kernel's first configs (``_precompile_config``); the tuner's own compile of the
-candidate then loads it. The walk, the timings and the config chosen stay Inductor's: a candidate
-is timed once its compile has come back, or failed (the tuner then compiles it itself, as before).
-Triton keys its cache by the ptxas that compiled, so this process is first given the workers' one.
+was Triton compiling each candidate just before timing it: ResNet-50's MLPerf plan on an H100
+with Triton's cache kept from an earlier run (every candidate found compiled) took its full
+batch's compile in 92.9 s against 205.1 s. So at the start of a kernel's tuning, and whenever its
+best config changes, every config one step from that best (those the tuner may time next) goes
+to Inductor's pool of compile workers, which compile it into Triton's cache the way they compile
+a kernel's first configs (``_precompile_config``); the tuner's own compile of the candidate then
+loads it. The walk, the timings and the config chosen stay Inductor's: a candidate is timed once
+its compile has come back, or failed (the tuner then compiles it itself, as before). Triton keys
+its cache by the ptxas that compiled, so this process is first given the workers' one. On an
+H100 the plan's coordinate descent took 58.9-60.5 s against 136.8 s (``docs/performance.md``).
 """
 from __future__ import annotations
 
