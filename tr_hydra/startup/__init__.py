@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 # the launcher (``python -m tr_hydra.startup.child``) imports this package first, and must link
 # itself to its parent and time its own imports before PyTorch's (see ``launcher``)
 from tr_hydra.startup.children import Precompiler, caches_enabled, cpu_count, launcher_wanted, memory_limited, \
-    requested_workers
+    requested_workers, twins_wanted
 from tr_hydra.startup.launcher import Launcher
 from tr_hydra.startup.report import StartupReport
 
@@ -120,10 +120,14 @@ class _Plan:
                 order, mine, n = rest, val_children[:1], len(rest)
         self.own = mine[0] if mine else None
         self.whole = mine if self.kc else []
+        # a whole compile's backward from a twin where cores are spare (split_compile)
+        twins = twins_wanted(order, n, cpu_count(), free, c.plan.total_bytes + c.gradient_transient,
+                             c.activation_estimate, HEADROOM) if whole else ()
         log(f"compiling {len(every) - len(found)} variants: " + (f"{self.own} here, " if self.own else "")
-            + f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
+            + f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
+            + (f"; the backward of {', '.join(twins)} in a twin process{'es' if len(twins) > 1 else ''}" if twins else ""))
         self.pre = Precompiler(rt.pc, order, n, log=log, device_index=rt.device.index or 0, launcher=launcher,
-                               saved=whole)
+                               saved=whole, twins=twins)
 
     def load(self, rt, v: str, rep: StartupReport, log) -> None:
         """Before ``v``'s warm-up: its whole compile, kept by an earlier run or saved by its
