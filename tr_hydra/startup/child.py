@@ -101,8 +101,8 @@ def main(argv: list[str], sent: float | None = None) -> int:
         torch.cuda.synchronize(rt.device)
     t_end = time.perf_counter()
     out = dict(_counters(), variants=[name], start_s=round(max(0.0, t_start - sent), 2) if sent else None,
-               import_s=round(t_import - t0, 2), trainer_s=round(t_runtime - t_import, 2),
-               step_s=round(t_end - t_runtime, 2), phases_s=phase_seconds(), timers_s=compile_timers(0.1, 30),
+               import_s=round(t_import - t0, 3), trainer_s=round(t_runtime - t_import, 3),
+               step_s=round(t_end - t_runtime, 3), phases_s=phase_seconds(), timers_s=compile_timers(0.1, 30),
                **(rt.ex.recorder.report() if save_to else {}), **extra, done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
