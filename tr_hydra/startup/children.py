@@ -28,8 +28,6 @@ CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspac
 SAVE_FLAG = "--save-forward="  # a child's argument: compile its variant's forward whole and save it here
 TWIN_FLAG = "--backward-twin="  # a child's argument: be the twin compiling its variant's backward (split_compile)
 FROM_TWIN_FLAG = "--backward-from="  # a child's argument: take the backward from the twin holding this lock
-TWIN_FLAG = "--backward-twin="  # a child's argument: be the twin that compiles the variant's backward (split_compile)
-FROM_TWIN_FLAG = "--backward-from="  # a child's argument: take the backward from the twin holding this lock
 
 
 def requested_workers(spec, todo: int, world_size: int, cpus: int) -> int:
