@@ -103,8 +103,8 @@ class _Plan:
         from tr_hydra.runtime.guards import HEADROOM
         c = rt.compiled
         free, _ = torch.cuda.mem_get_info(rt.device)
-        n = memory_limited(want, free, c.plan.total_bytes + c.gradient_transient + c.library_workspace,
-                           c.activation_estimate, HEADROOM)
+        arena = c.plan.total_bytes + c.gradient_transient + c.library_workspace  # a child's, beside its activations
+        n = memory_limited(want, free, arena, c.activation_estimate, HEADROOM)
         if n == 0:
             if want:
                 log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
@@ -121,8 +121,7 @@ class _Plan:
         self.own = mine[0] if mine else None
         self.whole = mine if self.kc else []
         # a whole compile's backward from a twin where cores are spare (split_compile)
-        twins = twins_wanted(order, n, cpu_count(), free, c.plan.total_bytes + c.gradient_transient,
-                             c.activation_estimate, HEADROOM) if whole else ()
+        twins = twins_wanted(order, n, cpu_count(), free, arena, c.activation_estimate, HEADROOM) if whole else ()
         log(f"compiling {len(every) - len(found)} variants: " + (f"{self.own} here, " if self.own else "")
             + f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
             + (f"; the backward of {', '.join(twins)} in a twin process{'es' if len(twins) > 1 else ''}" if twins else ""))

@@ -42,12 +42,16 @@ def requested_workers(spec, todo: int, world_size: int, cpus: int) -> int:
     return max(0, min(todo, int(spec)))
 
 
+def _child_bytes(arena_bytes: int, act_bytes: int, headroom: float) -> int:
+    """What one child holds on the device: a whole arena, the step's activations, a CUDA context."""
+    return int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
+
+
 def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: int, headroom: float) -> int:
     """How many of ``workers`` fit in free device memory: each child holds a whole arena, the
     step's activations and a CUDA context; the main process still needs its own activations."""
-    child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
     spare = free_bytes - int(act_bytes * headroom)
-    return max(0, min(workers, spare // child)) if spare > 0 else 0
+    return max(0, min(workers, spare // _child_bytes(arena_bytes, act_bytes, headroom))) if spare > 0 else 0
 
 
 def twins_wanted(order: list[tuple[str, bool]], workers: int, cpus: int, free_bytes: int, arena_bytes: int,
@@ -60,8 +64,7 @@ def twins_wanted(order: list[tuple[str, bool]], workers: int, cpus: int, free_by
     from tr_hydra.startup import split_compile
     if workers < 1 or split_compile.supported():
         return ()
-    child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
-    left = free_bytes - int(act_bytes * headroom) - workers * child
+    left = free_bytes - int(act_bytes * headroom) - workers * _child_bytes(arena_bytes, act_bytes, headroom)
     fit = left // (int(arena_bytes * headroom) + CONTEXT_BYTES) if left > 0 else 0
     k = max(0, min(cpus // 3 - workers - 1, fit))
     return tuple([v for v, train in order[:workers] if train][:k])
