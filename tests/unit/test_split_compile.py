@@ -66,14 +66,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode: str, cache: str, path: str, tmp_path) -> dict:
+def _start(mode: str, cache: str, path: str, tmp_path) -> subprocess.Popen:
     script = tmp_path / "step.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, str(script), mode, path], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, str(script), mode, path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _held(lock: str) -> bool:
+    return os.path.exists(lock) and os.path.getsize(lock) > 0  # the twin writes once it holds it
+
+
+def _result(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_this_pytorch_has_what_a_twin_uses():
@@ -83,13 +91,17 @@ def test_this_pytorch_has_what_a_twin_uses():
 def test_a_whole_compile_takes_the_backward_its_twin_compiled_and_saves_the_same_code(tmp_path):
     shared, fresh = str(tmp_path / "shared"), str(tmp_path / "fresh")
     mine, plain = str(tmp_path / "whole.bin"), str(tmp_path / "plain.bin")
-    twin = _run("twin", shared, mine, tmp_path)
+    # side by side, as in a run: the twin first; the whole compile once the twin holds its lock
+    twin_p = _start("twin", shared, mine, tmp_path)
+    deadline = time.monotonic() + 300
+    while twin_p.poll() is None and time.monotonic() < deadline and not _held(mine + ".lock"):
+        time.sleep(0.05)
+    whole_p, usual_p = _start("whole", shared, mine, tmp_path), _start("plain", fresh, plain, tmp_path)
+    twin, whole, usual = _result(twin_p), _result(whole_p), _result(usual_p)
     # its forward never ran; its backward went into the FX graph cache, which a whole compile
     # alone would neither read nor write
     assert twin["ran"] is False and twin["fx"] == {"fxgraph_cache_miss": 1}, twin
-    whole = _run("whole", shared, mine, tmp_path)
     assert whole["fx"] == {"fxgraph_cache_hit": 1} and len(whole["waited"]) == 1, whole  # the twin's backward
-    usual = _run("plain", fresh, plain, tmp_path)
     assert usual["fx"] == {}  # the usual whole compile: no FX cache
     # each file saved, loaded back and stepped: the same numbers, to the bit
     assert whole["grads"] == usual["grads"]
