@@ -103,8 +103,8 @@ def _runtime(monkeypatch, free=100 * GiB, cpus=16, **kw):
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, launcher=None, saved=True, twins=()):
-            seen.update(order=order, n=n, launcher=launcher, saved=saved, twins=twins)
+        def __init__(self, pc, order, n, log=None, device_index=0, launcher=None, saved=True):
+            seen.update(order=order, n=n, launcher=launcher, saved=saved)
     monkeypatch.setattr(startup, "Precompiler", Fake)
     monkeypatch.setattr(startup, "caches_enabled", lambda: True)
     monkeypatch.setattr(startup, "cpu_count", lambda: cpus)
@@ -126,45 +126,35 @@ def test_the_training_process_compiles_a_validation_variant_while_each_other_has
     sizes = dict(train_size=200, batch=32, val_size=80, val_batch=32)  # train_base/last, val_base/last
     first = ("train_base", [("train_last", True), ("val_base", False), ("val_last", False)])
     swapped = ("val_base", [("train_base", True), ("train_last", True), ("val_last", False)])
-    # (runtime overrides, sizes, free device memory, cores) -> (own, the children's order,
-    # processes, backward twins: where a third of the cores leaves room beside the children)
-    cases = [
-        (dict(precompile=8), sizes, 100 * GiB, 16, swapped + (3, ("train_base",))),
-        (dict(precompile=3), sizes, 100 * GiB, 16, swapped + (3, ("train_base",))),   # just enough children
-        (dict(precompile="auto"), sizes, 100 * GiB, 16, swapped + (3, ("train_base",))),  # 5 wanted, 3 needed
+    cases = [  # (runtime overrides, sizes, free device memory, cores) -> (own, the children's order, processes)
+        (dict(precompile=8), sizes, 100 * GiB, 16, swapped + (3,)),
+        (dict(precompile=3), sizes, 100 * GiB, 16, swapped + (3,)),   # just enough children
+        (dict(precompile="auto"), sizes, 100 * GiB, 16, swapped + (3,)),  # 16 cores: 5 wanted, 3 needed
         # two children for three variants: the training process takes queued work as it is, so
         # it keeps the first (a training compile it would otherwise wait for)
-        (dict(precompile=2), sizes, 100 * GiB, 16, first + (2, ("train_last",))),
-        (dict(precompile=1), sizes, 100 * GiB, 16, first + (1, ("train_last",))),
-        (dict(precompile="auto"), sizes, 100 * GiB, 7, first + (2, ())),   # a third of 7 cores
+        (dict(precompile=2), sizes, 100 * GiB, 16, first + (2,)),
+        (dict(precompile=1), sizes, 100 * GiB, 16, first + (1,)),
+        (dict(precompile="auto"), sizes, 100 * GiB, 7, first + (2,)),   # a third of 7 cores
         # room for two children only (each ~0.77 GiB: a context and this tiny plan): the first here
-        (dict(precompile=8), sizes, 2 * GiB, 16, first + (2, ())),
-        (dict(precompile=8), dict(sizes, val_size=0), 100 * GiB, 16,
-         ("train_base", [("train_last", True)], 1, ("train_last",))),
+        (dict(precompile=8), sizes, 2 * GiB, 16, first + (2,)),
+        (dict(precompile=8), dict(sizes, val_size=0), 100 * GiB, 16, ("train_base", [("train_last", True)], 1)),
     ]
-    for i, (runtime, kw, free, cpus, (own, order, n, twins)) in enumerate(cases):
+    for i, (runtime, kw, free, cpus, (own, order, n)) in enumerate(cases):
         rt, seen, _ = _runtime(monkeypatch, free=free, cpus=cpus, runtime=runtime, **kw)
         logs = []
         plan = startup._Plan(rt, None, logs.append)
         assert plan.pre is not None and plan.own == own and seen["order"] == order and seen["n"] == n, \
             (runtime, cpus, free, plan.own, seen)
-        assert seen["twins"] == twins, (runtime, cpus, free, seen)
         assert seen["saved"] is True  # the children save their compiles for this process to load
         assert plan.whole == [own] and plan.kc is not None and plan.kc.found == {}
         total = len(rt.pc.variants)
         assert any(ln == f"compiling {total} variants: {own} here, {len(order)} in {n} parallel "
-                   f"process{'es' if n > 1 else ''}" + (f"; the backward of {twins[0]} in a twin process"
-                                                        if twins else "") for ln in logs), logs
+                   f"process{'es' if n > 1 else ''}" for ln in logs), logs
 
     # the saved store off: nothing compiled whole here, the same choice
     rt, seen, _ = _runtime(monkeypatch, runtime=dict(precompile=8, saved_store_gb=0), **sizes)
     plan = startup._Plan(rt, None, lambda *_: None)
     assert plan.own == "val_base" and plan.whole == [] and plan.kc is None and seen["order"] == swapped[1]
-    assert seen["twins"] == ("train_base",)
-    # runtime.recompute: no whole compiles, the children only fill the caches; no twins
-    rt, seen, _ = _runtime(monkeypatch, runtime=dict(precompile=8, recompute="pointwise"), **sizes)
-    startup._Plan(rt, None, lambda *_: None)
-    assert seen["n"] == 3 and seen["twins"] == ()
     # no room for any child: no children, the first compiled here in turn
     rt, seen, _ = _runtime(monkeypatch, free=GiB // 2, runtime=dict(precompile=8, saved_store_gb=0), **sizes)
     logs = []
@@ -253,9 +243,14 @@ def test_next_ready_picks_a_variant_whose_compile_is_done(tmp_path):
         pre.close()
 
 
-def _recording_launcher(got: list):
-    """A launcher class whose ``start`` records each child's arguments in ``got`` and starts
-    nothing."""
+def test_each_child_is_asked_for_with_its_variant_split_device_and_file():
+    """What the precompiler asks of the launcher for each child, in the warm-up's order: the
+    plan, the variant, its split, the device, and (saving) where to write its compile, as
+    ``child.main`` reads them."""
+    import os
+    pc = small_config(train_size=80, val_size=40)
+    got = []
+
     class Proc:
         pid = 1
 
@@ -275,17 +270,7 @@ def _recording_launcher(got: list):
 
         def close(self):
             pass
-    return Launcher
 
-
-def test_each_child_is_asked_for_with_its_variant_split_device_and_file():
-    """What the precompiler asks of the launcher for each child, in the warm-up's order: the
-    plan, the variant, its split, the device, and (saving) where to write its compile, as
-    ``child.main`` reads them."""
-    import os
-    pc = small_config(train_size=80, val_size=40)
-    got = []
-    Launcher = _recording_launcher(got)
     variants = [("train_last", True), ("val_base", False), ("val_last", False)]
     pre = pcm.Precompiler(pc, variants, workers=3, log=lambda *_: None, device_index=2, launcher=Launcher())
     tmp = pre._tmp.name
@@ -296,20 +281,6 @@ def test_each_child_is_asked_for_with_its_variant_split_device_and_file():
     pre = pcm.Precompiler(pc, variants, workers=2, log=lambda *_: None, launcher=Launcher(), saved=False)
     pre.close()
     assert [a[1:] for a in got] == [["train_last", "train", "0"], ["val_base", "val", "0"]]  # two at a time
-
-
-def test_a_twin_and_its_variant_are_asked_for_with_the_same_lock():
-    import os
-    got = []
-    pre = pcm.Precompiler(small_config(train_size=80, val_size=40), [("train_last", True), ("val_base", False)],
-                          workers=2, log=lambda *_: None, launcher=_recording_launcher(got)(),
-                          twins=("train_last", "val_base"))
-    lock = os.path.join(pre._tmp.name, "train_last.backward.lock")
-    pre.close()
-    twin, whole, val = got  # the twin first; none for a validation variant
-    assert twin[1:] == ["train_last", "train", "0", f"{pcm.TWIN_FLAG}{lock}"], twin
-    assert whole[1:3] == ["train_last", "train"] and whole[-1] == f"{pcm.FROM_TWIN_FLAG}{lock}", whole
-    assert val[1:3] == ["val_base", "val"] and not any(pcm.FROM_TWIN_FLAG in a for a in val), val
 
 
 _KILLED_PARENT = r"""

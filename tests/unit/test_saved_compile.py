@@ -151,7 +151,7 @@ def test_saved_compiles_are_used_only_where_the_compile_is_the_ordinary_one(tmp_
     seen = {}
 
     class Fake:
-        def __init__(self, pc, order, n, log=None, device_index=0, launcher=None, saved=True, twins=()):
+        def __init__(self, pc, order, n, log=None, device_index=0, launcher=None, saved=True):
             seen.update(order=order, saved=saved)
     monkeypatch.setattr(startup, "Precompiler", Fake)
     monkeypatch.setattr(startup, "caches_enabled", lambda: True)

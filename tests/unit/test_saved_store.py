@@ -313,8 +313,8 @@ class _Fake:
     """The precompiler, as ``_Plan`` starts it: what it was given."""
     seen: dict = {}
 
-    def __init__(self, pc, variants, workers, log=None, device_index=0, launcher=None, saved=True, twins=()):
-        _Fake.seen = dict(order=list(variants), n=workers, saved=saved, twins=twins)
+    def __init__(self, pc, variants, workers, log=None, device_index=0, launcher=None, saved=True):
+        _Fake.seen = dict(order=list(variants), n=workers, saved=saved)
 
 
 def _planning(tmp_path, monkeypatch, logs, **runtime):
@@ -322,7 +322,6 @@ def _planning(tmp_path, monkeypatch, logs, **runtime):
     train_last, val_base), eight parallel compiles wanted and room for them."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(startup, "Precompiler", _Fake)
-    monkeypatch.setattr(startup, "cpu_count", lambda: 3)  # no core to spare for a backward twin, on any host
     pc = _rt(small_config(train_size=200, batch=32, val_size=64, val_batch=32), **{"precompile": 8, **runtime})
     rt = _runtime(pc, logs)
     assert [v.name for v in pc.variants] == ["train_base", "train_last", "val_base"]
@@ -436,7 +435,7 @@ def test_kept_variants_get_no_child_and_a_run_with_all_of_them_starts_none(tmp_p
     _keep(rt, ["val_base"], tmp_path)
     plan = _plan(rt, monkeypatch, logs)
     assert isinstance(plan.pre, _Fake) and plan.own == "train_base"
-    assert _Fake.seen == dict(order=[("train_last", True)], n=1, saved=True, twins=())
+    assert _Fake.seen == dict(order=[("train_last", True)], n=1, saved=True)
     assert "compiling 2 variants: train_base here, 1 in 1 parallel process" in logs, logs
     assert list(plan.kc.found) == ["val_base"]
     rt = _planning(tmp_path / "b", monkeypatch, logs)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 # the launcher (``python -m tr_hydra.startup.child``) imports this package first, and must link
 # itself to its parent and time its own imports before PyTorch's (see ``launcher``)
 from tr_hydra.startup.children import Precompiler, caches_enabled, cpu_count, launcher_wanted, memory_limited, \
-    requested_workers, twins_wanted
+    requested_workers
 from tr_hydra.startup.launcher import Launcher
 from tr_hydra.startup.report import StartupReport
 
@@ -103,8 +103,8 @@ class _Plan:
         from tr_hydra.runtime.guards import HEADROOM
         c = rt.compiled
         free, _ = torch.cuda.mem_get_info(rt.device)
-        arena = c.plan.total_bytes + c.gradient_transient + c.library_workspace  # a child's, beside its activations
-        n = memory_limited(want, free, arena, c.activation_estimate, HEADROOM)
+        n = memory_limited(want, free, c.plan.total_bytes + c.gradient_transient + c.library_workspace,
+                           c.activation_estimate, HEADROOM)
         if n == 0:
             if want:
                 log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
@@ -120,13 +120,10 @@ class _Plan:
                 order, mine, n = rest, val_children[:1], len(rest)
         self.own = mine[0] if mine else None
         self.whole = mine if self.kc else []
-        # a whole compile's backward from a twin where cores are spare (split_compile)
-        twins = twins_wanted(order, n, cpu_count(), free, arena, c.activation_estimate, HEADROOM) if whole else ()
         log(f"compiling {len(every) - len(found)} variants: " + (f"{self.own} here, " if self.own else "")
-            + f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}"
-            + (f"; the backward of {', '.join(twins)} in a twin process{'es' if len(twins) > 1 else ''}" if twins else ""))
+            + f"{len(order)} in {n} parallel process{'es' if n > 1 else ''}")
         self.pre = Precompiler(rt.pc, order, n, log=log, device_index=rt.device.index or 0, launcher=launcher,
-                               saved=whole, twins=twins)
+                               saved=whole)
 
     def load(self, rt, v: str, rep: StartupReport, log) -> None:
         """Before ``v``'s warm-up: its whole compile, kept by an earlier run or saved by its

@@ -1,17 +1,14 @@
 """A parallel compile's process: one variant's step, once, so that its compile is saved (and
-lands in Inductor's caches) for the training process; or a training variant's backward alone, for
-the process compiling that variant (a twin: ``split_compile``). Started fresh
-(``python -m tr_hydra.startup.child PLAN VARIANT SPLIT DEVICE [--save-forward=PATH]
-[--backward-from=LOCK | --backward-twin=LOCK] [SENT]``) or forked by a ``launcher.Launcher``
-(``python -m tr_hydra.startup.child --launcher MODULES``)."""
+lands in Inductor's caches) for the training process. Started fresh
+(``python -m tr_hydra.startup.child PLAN VARIANT SPLIT DEVICE [--save-forward=PATH] [SENT]``) or
+forked by a ``launcher.Launcher`` (``python -m tr_hydra.startup.child --launcher MODULES``)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
 
-from tr_hydra.startup.children import FROM_TWIN_FLAG, SAVE_FLAG, TWIN_FLAG
+from tr_hydra.startup.children import SAVE_FLAG
 from tr_hydra.startup.launcher import LAUNCHER_PRELOAD, _launcher_main, die_with_parent
 
 # Dynamo's and Inductor's own phase timers, summed over the child's compiles: where its time goes
@@ -47,15 +44,10 @@ def main(argv: list[str], sent: float | None = None) -> int:
     if not die_with_parent():
         print("the process that started this compile has ended; nothing to do", flush=True)
         return 1
-    flags = {}
-    for flag in (SAVE_FLAG, TWIN_FLAG, FROM_TWIN_FLAG):
-        for a in [a for a in argv if a.startswith(flag)]:
-            argv.remove(a)
-            flags[flag] = a[len(flag):]
-    save_to, as_twin, twin_lock = flags.get(SAVE_FLAG), flags.get(TWIN_FLAG), flags.get(FROM_TWIN_FLAG)
-    if as_twin:
-        from tr_hydra.startup import split_compile
-        split_compile.hold(as_twin)  # first: the variant's process waits only for a twin that began
+    save_to = None
+    for a in [a for a in argv if a.startswith(SAVE_FLAG)]:
+        argv.remove(a)
+        save_to = a[len(SAVE_FLAG):]
     if len(argv) == 5:
         sent = float(argv.pop())
     path, name, split, index = argv
@@ -80,19 +72,11 @@ def main(argv: list[str], sent: float | None = None) -> int:
     # cuDNN's algorithm search is the training process's to do (it times on the shared GPU);
     # the compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
     torch.backends.cudnn.benchmark = False
-    extra: dict = {}
-    if save_to or as_twin:
+    if save_to:
         from tr_hydra.runtime.saved_compile import Recorder
-        rt.ex.recorder = Recorder({name: save_to or None}, rt.ex.compile_options)
-    if as_twin:
-        _twin_step(rt, name, extra)
-    elif split == "train":
-        waited: list = []
-        from tr_hydra.startup import split_compile
-        with split_compile.from_twin(twin_lock, waited) if twin_lock else contextlib.nullcontext():
-            rt.ex.train_step(name, "A")
-        if twin_lock:
-            extra["twin_wait_s"] = round(sum(waited), 2)
+        rt.ex.recorder = Recorder({name: save_to}, rt.ex.compile_options)
+    if split == "train":
+        rt.ex.train_step(name, "A")
     else:
         rt.model.eval()
         with rt.ex.folded():
@@ -103,25 +87,9 @@ def main(argv: list[str], sent: float | None = None) -> int:
     out = dict(_counters(), variants=[name], start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 3), trainer_s=round(t_runtime - t_import, 3),
                step_s=round(t_end - t_runtime, 3), phases_s=phase_seconds(), timers_s=compile_timers(0.1, 30),
-               **(rt.ex.recorder.report() if save_to else {}), **extra, done_at=time.time())
+               **(rt.ex.recorder.report() if save_to else {}), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
-
-
-def _twin_step(rt, name: str, extra: dict) -> None:
-    """The twin's work: the variant traced and compiled whole as its own process does, with the
-    forward only lowered and the backward compiled into the FX graph cache (``split_compile``);
-    the step stops where it would run the forward."""
-    from tr_hydra.startup import split_compile
-
-    def not_run(x):
-        raise split_compile.ForwardSkipped("a twin runs no step")
-    rt.ex.forward_fn = not_run  # where the whole compile, as expected, returns nothing to run
-    with split_compile.backward_only():
-        try:
-            rt.ex.train_step(name, "A")
-        except split_compile.ForwardSkipped:
-            extra["forward_skipped"] = True
 
 
 if __name__ == "__main__":

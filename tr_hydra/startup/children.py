@@ -26,8 +26,6 @@ from tr_hydra.startup.launcher import Launcher, _spawn, child_env, fork_availabl
 
 CONTEXT_BYTES = 768 * 2**20  # a CUDA context, cuBLAS/cuDNN handles and workspaces per child
 SAVE_FLAG = "--save-forward="  # a child's argument: compile its variant's forward whole and save it here
-TWIN_FLAG = "--backward-twin="  # a child's argument: be the twin compiling its variant's backward (split_compile)
-FROM_TWIN_FLAG = "--backward-from="  # a child's argument: take the backward from the twin holding this lock
 
 
 def requested_workers(spec, todo: int, world_size: int, cpus: int) -> int:
@@ -42,32 +40,12 @@ def requested_workers(spec, todo: int, world_size: int, cpus: int) -> int:
     return max(0, min(todo, int(spec)))
 
 
-def _child_bytes(arena_bytes: int, act_bytes: int, headroom: float) -> int:
-    """What one child holds on the device: a whole arena, the step's activations, a CUDA context."""
-    return int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
-
-
 def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: int, headroom: float) -> int:
     """How many of ``workers`` fit in free device memory: each child holds a whole arena, the
     step's activations and a CUDA context; the main process still needs its own activations."""
+    child = int((arena_bytes + act_bytes) * headroom) + CONTEXT_BYTES
     spare = free_bytes - int(act_bytes * headroom)
-    return max(0, min(workers, spare // _child_bytes(arena_bytes, act_bytes, headroom))) if spare > 0 else 0
-
-
-def twins_wanted(order: list[tuple[str, bool]], workers: int, cpus: int, free_bytes: int, arena_bytes: int,
-                 act_bytes: int, headroom: float) -> tuple[str, ...]:
-    """The training variants, among the ``workers`` children that start at once (``order``),
-    whose backward a twin compiles (``split_compile``): as many as the third of the cores that
-    the compiles get leaves beside those children and the training process's own compile, and as
-    fit in the device memory they leave (a twin holds an arena and a CUDA context, and runs no
-    step). A short run's one training variant gets one; six variants on 16 cores get none."""
-    from tr_hydra.startup import split_compile
-    if workers < 1 or split_compile.supported():
-        return ()
-    left = free_bytes - int(act_bytes * headroom) - workers * _child_bytes(arena_bytes, act_bytes, headroom)
-    fit = left // (int(arena_bytes * headroom) + CONTEXT_BYTES) if left > 0 else 0
-    k = max(0, min(cpus // 3 - workers - 1, fit))
-    return tuple([v for v, train in order[:workers] if train][:k])
+    return max(0, min(workers, spare // child)) if spare > 0 else 0
 
 
 def caches_enabled() -> bool:
@@ -102,8 +80,6 @@ class _Child:
     name: str
     train: bool
     saved: str = ""  # where the child saves its variant's forward compiled whole
-    twin_of: str = ""  # a twin (split_compile): the variant whose backward it compiles
-    lock: str = ""  # the twin's lock: the twin holds it, the variant's child waits on it
     proc: subprocess.Popen | None = None
     log_path: str = ""
     started: float = 0.0
@@ -118,31 +94,25 @@ class Precompiler:
     ``wait(name)`` blocks until that variant's child is done; ``close()`` stops the rest."""
 
     def __init__(self, pc, variants: list[tuple[str, bool]], workers: int, log=print, device_index: int = 0,
-                 launcher: Launcher | None = None, saved: bool = True, twins: tuple[str, ...] = ()):
+                 launcher: Launcher | None = None, saved: bool = True):
         """``variants``: (name, is training) in the order the warm-up wants them. ``launcher``:
         fork the children from it (closed with the precompiler; one that fails starts them as
         fresh processes itself); None: each child is a fresh process. ``saved``: each child
         compiles its forward whole and saves it, for ``saved_forward`` to hand to the training
         process (False under ``runtime.recompute``, which a whole compile leaves out: the children
-        then only fill the caches). ``twins``: training variants whose backward a twin process
-        compiles beside their child (``split_compile``), started first, beyond ``workers``."""
+        then only fill the caches)."""
         self.log = log
         self.device_index = device_index
         self.workers = workers
         self._tmp = tempfile.TemporaryDirectory(prefix="tr_hydra_precompile_")
         self.children = [_Child(n, t, saved=os.path.join(self._tmp.name, f"{n}.forward") if saved else "")
                          for n, t in variants]
-        trains = {n for n, t in variants if t}
-        self.twins = [_Child(f"{n} backward", True, twin_of=n, lock=os.path.join(self._tmp.name, f"{n}.backward.lock"))
-                      for n in twins if n in trains]
         self._pc_path = os.path.join(self._tmp.name, "plan.pkl")
         with open(self._pc_path, "wb") as f:
             pickle.dump(pc, f)
         self._env = child_env()
         self.launcher = launcher
         self._queue = list(self.children)
-        for t in self.twins:  # ahead of their variants: the backward is wanted after the forward
-            self._start(t)
         self._fill()
 
     def saved_forward(self, name: str) -> str | None:
@@ -155,23 +125,15 @@ class Precompiler:
 
     def _start(self, c: _Child) -> bool:
         c.log_path = os.path.join(self._tmp.name, f"{c.name}.log")
-        argv = [self._pc_path, c.twin_of or c.name, "train" if c.train else "val", str(self.device_index)]
-        if c.twin_of:
-            argv.append(f"{TWIN_FLAG}{c.lock}")
-        else:
-            if c.saved:
-                argv.append(f"{SAVE_FLAG}{c.saved}")
-            twin = next((t for t in self.twins if t.twin_of == c.name and t.ok is not False), None)
-            if twin is not None:
-                argv.append(f"{FROM_TWIN_FLAG}{twin.lock}")
+        argv = [self._pc_path, c.name, "train" if c.train else "val", str(self.device_index)]
+        if c.saved:
+            argv.append(f"{SAVE_FLAG}{c.saved}")
         try:
             c.proc = (self.launcher.start(argv, c.log_path) if self.launcher is not None
                       else _spawn(argv, c.log_path, self._env))
         except OSError as e:  # no process to be had: this variant compiles in the main process
             c.ok = False
-            self.log(f"  {c.twin_of}: could not start a backward twin ({e.strerror}); the variant's compile "
-                     f"does its backward" if c.twin_of else
-                     f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
+            self.log(f"  {c.name}: could not start a parallel compile ({e.strerror}); compiling it here")
             return False
         c.started = time.perf_counter()
         c.started_wall = time.time()
@@ -204,18 +166,14 @@ class Precompiler:
         if isinstance(done_at, (int, float)):  # when the child itself finished (same host clock)
             c.seconds = max(0.0, min(c.seconds, done_at - c.started_wall))
         last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), f"exit status {rc}")
-        if c.twin_of:
-            self.log(f"  {c.twin_of}: backward compiled in a twin process in {c.seconds:.0f}s" if c.ok else
-                     f"  {c.twin_of}: backward twin failed ({last.strip()[:160]}); the variant's compile does "
-                     f"its backward")
-        elif c.ok:
+        if c.ok:
             self.log(f"  {c.name}: compiled in a parallel process in {c.seconds:.0f}s")
         else:
             self.log(f"  {c.name}: parallel compile failed ({last.strip()[:160]}); compiling it here")
         return True
 
     def _reap_all(self) -> None:
-        for c in self.children + self.twins:
+        for c in self.children:
             self._reap(c, block=False)
 
     def wait(self, name: str) -> None:
@@ -258,7 +216,7 @@ class Precompiler:
     def close(self) -> None:
         if self.launcher is not None:  # first: its children end with it, forked or not yet
             self.launcher.close()
-        for c in self.children + self.twins:
+        for c in self.children:
             if c.proc is not None and c.ok is None and c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
@@ -270,4 +228,4 @@ class Precompiler:
         self._reap_all()
         return {c.name: {"ok": c.ok, "seconds": round(c.seconds, 1),
                          **({"start": getattr(c.proc, "start", "spawn")} if c.proc is not None else {}), **c.counters}
-                for c in self.children + self.twins}
+                for c in self.children}
