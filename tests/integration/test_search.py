@@ -102,7 +102,7 @@ def test_submitit_local_runs_each_job_and_each_rank_as_slurm_would(tmp_path):
         assert (d / "model_final.pt").is_file() and (d / "metrics.json").is_file()
         log = (d / "train.log").read_text()
         for task in (0, 1):
-            assert f"submitit: job " in log and f" on local, task {task} of 2 " in log, log
+            assert "submitit: job " in log and f" on local, task {task} of 2 " in log, log
             assert f"rank {task} of 2 via " in log, log
         assert "weights identical on all 2 ranks" in log
     table = (sweep / "summary.txt").read_text().splitlines()

@@ -2,7 +2,6 @@
 import dataclasses
 
 import pytest
-import torch
 import torch.nn as nn
 
 from tr_hydra.cli._common import compose

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full or read-only disk: one line naming the path
         fail("tr-prepare", ConfigError(f"prepare.out: {e.filename or cfg.prepare.out}: {e.strerror or e}"))
     except KeyboardInterrupt:
-        print(f"tr-prepare: stopped; the finished shards are kept: run the same command again to go on",
+        print("tr-prepare: stopped; the finished shards are kept: run the same command again to go on",
               file=sys.stderr, flush=True)
         return 130
     finally:
