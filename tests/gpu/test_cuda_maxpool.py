@@ -42,12 +42,10 @@ def test_resnet_stem_pooling_compiled_matches_eager(dtype):
     torch._dynamo.reset()
 
 
-def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monkeypatch):
+def test_gather_in_the_captured_step_moves_every_tensor_as_native(tmp_path, monkeypatch, no_tf32):
     """resnet18 with Inductor inside the captured step: the gathering kernel (what runs on CUDA)
     and the model's own pooling give the same fp32 step (TF32 off)."""
     from tr_hydra.ops import swaps
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     out, logs = {}, []
     for mode in ("native", "auto"):
         torch._dynamo.reset()

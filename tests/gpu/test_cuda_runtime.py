@@ -257,7 +257,7 @@ def _one_step(tmp_path, name, stem, compile, amp, stem_channels=None):
 
 
 @pytest.mark.parametrize("compile", ["none", "inductor"])
-def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, monkeypatch):
+def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, no_tf32):
     """On CUDA the stem is folded by default. One captured training step of resnet18 (eager
     model or Inductor) against an fp32 plain-conv step with TF32 off:
     - in fp32, the folded stem's step moves every tensor as the reference does (within 5e-2 of
@@ -271,8 +271,6 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, m
     zero channels reaching the convolution as cuDNN or Inductor runs it.
     The synthetic bank sits in pinned host memory."""
     from tr_hydra.models.stem import ImageConv2d, SpaceToDepthConv2d
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     b_ref, ref, kind, _ = _one_step(tmp_path, "ref", "conv", "none", False)
     assert kind is ImageConv2d
     runs = {}
@@ -300,7 +298,7 @@ def test_space_to_depth_stem_on_cuda_matches_the_plain_conv(tmp_path, compile, m
     assert checked > 50
 
 
-def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(tmp_path, monkeypatch):
+def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(tmp_path, monkeypatch, no_tf32):
     """runtime.recompute=pointwise with Inductor in the captured step: one fp32 step (TF32 off)
     moves every tensor as the default step does (within 5e-2 of its change, the bound the stem
     test uses for fp32 rounding amplified by cancellation: the recomputed
@@ -309,8 +307,6 @@ def test_pointwise_recompute_on_cuda_matches_the_default_step_with_less_memory(t
     them (the process peak is set elsewhere when another test ran first: by a cuDNN algorithm
     search's workspace or Triton's autotuning in the warm-up, alike in both modes)."""
     import dataclasses
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     from tr_hydra.runtime import graphs
     real = graphs.CudaGraphs._capture_each
     seen = {}
