@@ -86,11 +86,12 @@ class _StandIn:
 
 
 @contextlib.contextmanager
-def triton_code_on_cpu():
+def triton_code_on_cpu(outputs=None, **config):
     """Inductor's Triton code for CPU tensors, without a GPU. Within the block every graph
     Inductor compiles is lowered by its Triton backend (``cpu_backend="triton"``, the fusion
     decisions CUDA gets) and its generated module appended to the list yielded; nothing is
-    compiled by Triton or run: each graph returns empty tensors shaped as its outputs. Skips the
+    compiled by Triton or run: each graph returns empty tensors shaped as its outputs, which are
+    appended to ``outputs`` where given. ``config`` patches further Inductor options. Skips the
     test where Triton or the Inductor internals this patches are missing."""
     import pytest
     pytest.importorskip("triton")
@@ -107,8 +108,11 @@ def triton_code_on_cpu():
         code = self.codegen()
         code = code[0] if isinstance(code, tuple) else code
         codes.append(getattr(code, "value", code))
-        outputs = [n for n in self.module.graph.nodes if n.op == "output"][0].args[0]
-        return _StandIn([o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outputs])
+        outs = [n for n in self.module.graph.nodes if n.op == "output"][0].args[0]
+        outs = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
+        if outputs is not None:
+            outputs.append(outs)
+        return _StandIn(outs)
 
     no_hash = lambda: "none"  # noqa: E731 (the backend's hash needs a GPU driver)
     with contextlib.ExitStack() as stack:
@@ -117,5 +121,6 @@ def triton_code_on_cpu():
         if hasattr(codegen_triton, "triton_hash_with_backend"):
             stack.enter_context(mock.patch.object(codegen_triton, "triton_hash_with_backend", no_hash))
         # one thread: no compile workers, which would try to build the kernels
-        stack.enter_context(inductor_config.patch(cpu_backend="triton", fx_graph_cache=False, compile_threads=1))
+        stack.enter_context(inductor_config.patch(
+            **{"cpu_backend": "triton", "fx_graph_cache": False, "compile_threads": 1, **config}))
         yield codes

@@ -12,48 +12,24 @@ loading (Inductor counts those read and written). A model of the traffic, not a 
     python docs/results/step_bytes.py cifar    # CIFAR ResNet-18, batch 512
 """
 import math
+import pathlib
 import re
 import sys
 from unittest import mock
 
 import torch
-import torch._inductor.codegen.triton as codegen_triton
-import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-import torch.utils._triton as utils_triton
-from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.hints import DeviceProperties
 
-from tr_hydra.compiler.analysis import find_first_convs
-from tr_hydra.compiler.tuning import inductor_map
-from tr_hydra.models.registry import build_model
-from tr_hydra.runtime.model_prep import prepare
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from tests.helpers import triton_code_on_cpu  # noqa: E402
+from tr_hydra.compiler.analysis import find_first_convs  # noqa: E402
+from tr_hydra.compiler.tuning import inductor_map  # noqa: E402
+from tr_hydra.models.registry import build_model  # noqa: E402
+from tr_hydra.runtime.model_prep import prepare  # noqa: E402
 
 SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "bool": 1, "int8": 1,
         "int16": 2, "int32": 4, "int64": 8}
-CODES, KEPT = [], []  # per graph: the generated module; (elements, dtype) of every output
-
-
-class _StandIn:
-    def __init__(self, outputs):
-        self.outputs = outputs
-
-    def call(self, args):
-        args.clear()
-        return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor)
-                     else v for v in self.outputs)
-
-
-def _record(self):
-    code = self.codegen()
-    code = code[0] if isinstance(code, tuple) else code
-    CODES.append(getattr(code, "value", code))
-    outs = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o
-            for o in [n for n in self.module.graph.nodes if n.op == "output"][0].args[0]]
-    KEPT.append([(v.numel(), str(v.dtype).replace("torch.", "")) for v in outs if isinstance(v, torch.Tensor)])
-    return _StandIn(outs)
-
-
 _create = DeviceProperties.create.__func__
 
 
@@ -95,24 +71,20 @@ def main(which):
     step = torch.compile(model, dynamic=False, options=inductor_map(runtime))
     x = torch.randn(batch, 3, res, res).to(torch.bfloat16).to(memory_format=torch.channels_last)
     y = torch.randint(0, classes, (batch,))
-    no_hash = lambda: "none"  # noqa: E731 (the backend's hash asks a GPU driver)
-    with mock.patch.object(GraphLowering, "compile_to_module", _record), \
-            mock.patch.object(utils_triton, "triton_hash_with_backend", no_hash), \
-            mock.patch.object(codegen_triton, "triton_hash_with_backend", no_hash, create=True), \
-            mock.patch.object(DeviceProperties, "create", classmethod(_h200)), \
-            inductor_config.patch(cpu_backend="triton", fx_graph_cache=False, autotune_local_cache=False,
-                                  compile_threads=1, benchmark_kernel=True):
+    outputs = []  # per graph: its outputs' metadata
+    with triton_code_on_cpu(outputs, autotune_local_cache=False, benchmark_kernel=True) as codes, \
+            mock.patch.object(DeviceProperties, "create", classmethod(_h200)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = step(x)
         F.cross_entropy(logits.float(), y).backward()
     total = 0.0
-    for part, code in zip(("forward", "backward"), CODES):
+    for part, code in zip(("forward", "backward"), codes):
         sizes = kernel_bytes(code)
         launched = re.findall(r"\b(triton_\w+)\.run\(", code[code.rfind("class Runner"):] if "class Runner" in code else code)
         gb = sum(sizes.get(k, 0) for k in launched) / 1e9
         total += gb
         print(f"{part}: {len(launched)} launches, {gb:.2f} GB")
-    kept = KEPT[0]
+    kept = [(v.numel(), str(v.dtype).replace("torch.", "")) for v in outputs[0] if isinstance(v, torch.Tensor)]
     print(f"step: {total:.2f} GB; the forward keeps {sum(n * SIZE.get(d, 4) for n, d in kept) / 2**20:,.1f} MiB "
           f"for the backward ({sum(n for n, d in kept if d == 'uint8') / 2**20:,.1f} MiB of uint8, "
           f"{sum(n for n, d in kept if d == 'bool') / 2**20:,.1f} of bool)")
