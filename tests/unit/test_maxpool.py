@@ -144,19 +144,21 @@ _CACHE_PROBE = """
 import torch, torch.nn as nn
 from torch._dynamo.utils import counters
 from tr_hydra.ops.maxpool import gather_maxpools
+from tr_hydra.ops.relu_mask import bitmask_relus
 torch.manual_seed(0)
 m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
                   nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 7 * 7, 5))
-assert gather_maxpools(m) == ["3"]
-torch.compile(m, dynamic=False)(torch.randn(4, 3, 17, 17)).sum().backward()
+assert gather_maxpools(m) == ["3"] and bitmask_relus(m) == ["2"]
+torch.compile(m, dynamic=False)(torch.randn(4, 3, 17, 17).requires_grad_()).sum().backward()
 print("AOT", sorted(counters["aot_autograd"]))
 """
 
 
 def test_its_compile_is_cached_for_the_next_process(tmp_path):
-    """A second process compiling the same model loads AOTAutograd's cached result, as the
-    parallel compiles' children and the trainer rely on. (With an ``autograd.Function`` the
-    cache was bypassed, and the trainer redid each child's compile: measured on the H200.)"""
+    """A second process compiling the same model, with the gathering pooling and ReLU's packed
+    mask (``ops.relu_mask``), loads AOTAutograd's cached result, as the parallel compiles'
+    children and the trainer rely on. (With an ``autograd.Function`` the cache was bypassed, and
+    the trainer redid each child's compile: measured on the H200.)"""
     assert_second_process_hits_aot_cache(_CACHE_PROBE, tmp_path)
 
 

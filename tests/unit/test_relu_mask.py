@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
-from tests.helpers import assert_second_process_hits_aot_cache, triton_code_on_cpu
+from tests.helpers import triton_code_on_cpu
 from tr_hydra.ops.relu_mask import BitmaskReLU, applies, bitmask_relus, pack, unpack
 
 
@@ -151,26 +151,6 @@ def test_the_triton_forward_packs_in_the_batchnorm_kernel():
     assert launches(forward) == launches(plain[0]) > 0, (launches(forward), launches(plain[0]))
     assert buffers(forward, "uint8") == 6 and buffers(forward, "bool") == 0
     assert buffers(backward, "uint8") == 0 and "'*u8'" in backward
-
-
-_CACHE_PROBE = """
-import torch, torch.nn as nn
-from torch._dynamo.utils import counters
-from tr_hydra.ops.relu_mask import bitmask_relus
-torch.manual_seed(0)
-m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
-                  nn.Flatten(), nn.Linear(4 * 15 * 15, 5))
-assert bitmask_relus(m) == ["2"]
-torch.compile(m, dynamic=False)(torch.randn(4, 3, 17, 17).requires_grad_()).sum().backward()
-print("AOT", sorted(counters["aot_autograd"]))
-"""
-
-
-def test_its_compile_is_cached_for_the_next_process(tmp_path):
-    """A second process compiling the same model loads AOTAutograd's cached result, as the
-    parallel compiles' children and the trainer rely on (an ``autograd.Function`` would bypass
-    that cache)."""
-    assert_second_process_hits_aot_cache(_CACHE_PROBE, tmp_path)
 
 
 def test_the_trainer_swaps_them_where_the_step_is_compiled_on_cuda(tmp_path, monkeypatch):
