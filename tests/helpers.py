@@ -30,6 +30,39 @@ def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_siz
         train_size=train_size, val_size=val_size, **kw)
 
 
+
+def plain_and_folded_logits(tr, x):
+    """A fitted trainer's logits for ``x`` in eval mode, as the plain model gives them and with
+    BatchNorm folded into the convolutions (validation's form)."""
+    import torch
+    tr.model.eval()
+    with torch.no_grad():
+        plain = tr.model(x)
+        tr.ex.before_validation()
+        with tr.ex.folded():
+            folded = tr.model(x)
+    return plain, folded
+
+
+def fit_stop_resume(base: PlanConfig, root: Path, max_steps: int, **spec):
+    """Fits ``base`` with ``TrainerSpec(**spec)`` in ``root/a``; in ``root/b`` stops it after
+    ``max_steps`` steps, then resumes it from its checkpoint to the end. Returns the two trainers
+    and the names of ``root/b``'s checkpoints at the stop."""
+    import dataclasses
+    from tr_hydra.train import checkpoint as ck
+    from tr_hydra.train.trainer import Trainer
+
+    def fitted(pc, out):
+        tr = Trainer(pc, out, log=lambda *_: None)
+        tr.fit()
+        return tr
+    full = fitted(dataclasses.replace(base, trainer=TrainerSpec(**spec)), root / "a")
+    fitted(dataclasses.replace(base, trainer=TrainerSpec(**spec, max_steps=max_steps)), root / "b")
+    at_stop = [p.name for p in ck.checkpoints_in(root / "b")]
+    resumed = fitted(dataclasses.replace(base, trainer=TrainerSpec(**spec), resume="auto"), root / "b")
+    return full, resumed, at_stop
+
+
 def run_script_with_caches(script: str, cache: Path, *args: str) -> dict:
     """Run ``script`` in a fresh Python process with Inductor's and Triton's caches under
     ``cache`` (so a second call with the same ``cache`` loads what the first compiled); returns

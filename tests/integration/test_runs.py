@@ -15,7 +15,7 @@ from tr_hydra.config.plan_config import TrainerSpec
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
+from tests.helpers import fit_stop_resume, small_config
 from tests.integration.test_cli import run
 
 
@@ -55,14 +55,8 @@ def test_tensorboard_tags_present_and_finite(tmp_path):
 def test_resume_is_exact(tmp_path):
     """4 epochs in one run == 2 epochs, stop, resume, 2 more: weights and logged metrics."""
     base = _det(small_config(train_size=96, batch=32, lowres_epochs=1, ema=True))
-    full = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=4)), tmp_path / "a", log=lambda *_: None)
-    full.fit()
-    stopped = dataclasses.replace(base, trainer=TrainerSpec(epochs=4, max_steps=6))
-    Trainer(stopped, tmp_path / "b", log=lambda *_: None).fit()
-    assert [p.name for p in ck.checkpoints_in(tmp_path / "b")] == ["ckpt_e0002_s00000006.pt", "ckpt_e0001_s00000003.pt"]
-    resumed = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=4), resume="auto"),
-                      tmp_path / "b", log=lambda *_: None)
-    resumed.fit()
+    full, resumed, at_stop = fit_stop_resume(base, tmp_path, 6, epochs=4)
+    assert at_stop == ["ckpt_e0002_s00000006.pt", "ckpt_e0001_s00000003.pt"]
     a, b = full.final_state_dict(), resumed.final_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     ha = json.loads((tmp_path / "a" / "metrics.json").read_text())["history"]

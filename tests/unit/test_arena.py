@@ -94,7 +94,8 @@ def test_dynamo_traces_the_bound_model_with_static_shapes(amp):
     seen = []
 
     def backend(gm, example_inputs):
-        seen.append(dict(detect_fake_mode(example_inputs).shape_env.var_to_val))
+        env = detect_fake_mode(example_inputs).shape_env  # the symbols it traced with (renamed in torch 2.14)
+        seen.append(dict(env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val))
         return gm.forward
     dynamo.reset()
     x = torch.randn(2, 3, 16, 16)

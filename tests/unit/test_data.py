@@ -20,7 +20,7 @@ from tr_hydra.errors import ConfigError
 from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
+from tests.helpers import fit_stop_resume, small_config
 
 MEAN, STD = (10.0, 20.0, 30.0), (50.0, 60.0, 70.0)
 
@@ -326,19 +326,11 @@ def test_training_resumed_mid_epoch_on_jpegs_is_exact(tmp_path):
     """Augmented JPEG training, 3 epochs in one run == stopped mid-epoch (max_steps), resumed,
     finished: identical weights, since the checkpoint carries the input stream's state."""
     import json
-    from tr_hydra.train import checkpoint as ck
     make_folder(tmp_path / "data", fmt="JPEG", per_class=(5, 4, 4), size=20)
     base = folder_config(tmp_path / "data", shuffle=True, augment=True, train=13, val=13)
     base = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, deterministic=True))
-    full = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1)), tmp_path / "a",
-                   log=lambda *_: None)
-    full.fit()
-    Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1, max_steps=6)), tmp_path / "b",
-            log=lambda *_: None).fit()
-    assert ck.checkpoints_in(tmp_path / "b")[0].name == "ckpt_e0001_s00000006.pt"  # epoch 2, batch 2 next
-    resumed = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1), resume="auto"),
-                      tmp_path / "b", log=lambda *_: None)
-    resumed.fit()
+    full, resumed, at_stop = fit_stop_resume(base, tmp_path, 6, epochs=3, log_every=1)
+    assert at_stop[0] == "ckpt_e0001_s00000006.pt"  # epoch 2, batch 2 next
     a, b = full.final_state_dict(), resumed.final_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     ha = json.loads((tmp_path / "a" / "metrics.json").read_text())["history"]

@@ -12,7 +12,7 @@ from tr_hydra.models.stem import (ImageConv2d, SpaceToDepthConv2d, eligible, ima
 from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
+from tests.helpers import plain_and_folded_logits, small_config
 
 
 @pytest.mark.parametrize("k,p", [(7, 3), (3, 1), (4, 1), (5, 2), (1, 0), (2, 0), (6, 3)])
@@ -178,13 +178,8 @@ def test_bn_folding_and_validation_read_the_folded_stem(tmp_path):
         tr = Trainer(pc, tmp_path, log=lambda *_: None)
     tr.fit()
     assert type(tr.model.conv1) is SpaceToDepthConv2d
-    tr.model.eval()
     x = torch.randn(4, 3, 32, 32)
-    with torch.no_grad():
-        plain = tr.model(x)
-        tr.ex.before_validation()
-        with tr.ex.folded():
-            folded = tr.model(x)
+    plain, folded = plain_and_folded_logits(tr, x)
     assert torch.allclose(plain, folded, rtol=1e-4, atol=1e-4)
     ref = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
     ref.load_state_dict({"weight": tr.model.conv1.weight.detach().clone()})
