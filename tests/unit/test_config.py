@@ -55,6 +55,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("runtime.tuning=some", "expected one of [auto, none, full]"),
     ("data.decode=cpu", "expected one of [auto, host, gpu]"),
     ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
+    ("trainer.epochs=-1", "trainer.epochs: must be >= 1"),    # named before what depends on it
     # options that measured no gain are gone: the usual unknown-key line
     ("runtime.compile_gc=python", "Key 'compile_gc' not in 'RuntimeConfig'"),
     ("runtime.backward_streams=2", "Key 'backward_streams' not in 'RuntimeConfig'"),
@@ -211,6 +212,7 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
         ("runtime.inductor_options={persistent_reductions:false}", "did you mean triton.persistent_reductions"),
         ("runtime.inductor_options={max_autotune:3}", "expects bool, got 3"),
         ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
+        ("runtime.inductor_options=3", "expects a map such as"),
         ("runtime.inductor_options={max_autotune_gemm_backends:true}", "expects str"),
         ("runtime.inductor_options={triton:{cudagraphs:true}}", "captures the whole step"),
         ("runtime.inductor_options={triton:{multi_kernel:1}}", "1 not supported: .*loading compiled kernels"),

@@ -9,6 +9,7 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any
 
 from tr_hydra.config import objective, schema
@@ -182,9 +183,14 @@ _BROKEN_VALUES = {"triton.multi_kernel": (
 
 
 def _flat_options(opts: Any, prefix: str = "") -> dict:
+    if opts is None:
+        return {}
+    if not isinstance(opts, Mapping):
+        raise ConfigError("runtime.inductor_options: expects a map such as "
+                          f"{{coordinate_descent_tuning: true}}, got {opts!r}")
     out = {}
-    for k, v in dict(opts or {}).items():
-        if isinstance(v, dict):
+    for k, v in opts.items():
+        if isinstance(v, Mapping):
             out.update(_flat_options(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -317,6 +323,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     if v.lowres_epochs > 0:
         _check(v.lowres_res <= v.base_res, "variants.lowres_res",
                f"{v.lowres_res} must not exceed variants.base_res={v.base_res}")
+    _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")
     _check(v.lowres_epochs <= trainer.epochs, "variants.lowres_epochs",
            f"{v.lowres_epochs} exceeds trainer.epochs={trainer.epochs}")
     _check(trainer.val_every >= 1, "trainer.val_every", "must be >= 1")
@@ -339,7 +346,6 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
            "data.hw_decoder_load", f"must be null or in [0, 1], got {data.hw_decoder_load!r}")
     if opt.name in ("adam", "adamw"):
         _check(opt.eps > 0, "optimizer.eps", f"optimizer={opt.name} needs eps > 0")
-    _check(trainer.epochs >= 1, "trainer.epochs", f"must be >= 1, got {trainer.epochs}")
     _check(trainer.max_steps is None or trainer.max_steps >= 1, "trainer.max_steps", "must be >= 1 or null")
     _check(trainer.log_every >= 1, "trainer.log_every", "must be >= 1")
     _check(0 <= trainer.label_smoothing < 1, "trainer.label_smoothing", "must be in [0, 1)")
