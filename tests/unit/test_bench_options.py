@@ -112,6 +112,19 @@ def test_the_modes_and_their_one_line_errors():
     assert mix_modes(None, CPU) == ["tr", "eager"]
     with pytest.raises(ConfigError, match="bench.epoch_mix_modes: unknown"):
         mix_modes(["turbo"], CPU)
+    with pytest.raises(ConfigError, match=r"bench.modes: expects a list such as \[tr,reduce-overhead\] or auto, got 3"):
+        pick_modes(3, CPU)
+
+
+@pytest.mark.parametrize("override,needle", [("bench.steps=0", "bench.steps: must be >= 1, got 0"),
+                                             ("bench.repeats=0", "bench.repeats: must be >= 1, got 0"),
+                                             ("bench.warmup=-1", "bench.warmup: must be >= 0, got -1")])
+def test_the_benchs_counts_are_checked_before_anything_is_built(override, needle, capsys):
+    from tr_hydra.cli.bench import main
+    with pytest.raises(SystemExit) as e:
+        main(["recipe=cpu_smoke", override])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert e.value.code == 2 and err == [f"tr-bench: error: {needle}"]
 
 
 def test_tr_hydras_modes_runtime_settings():

@@ -5,6 +5,7 @@ results) built, warmed up and timed. tr_hydra's modes build a ``Runtime`` and ge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 import statistics
 import sys
 import time
@@ -26,8 +27,10 @@ TR_MODES = ("tr", "tr-inductor", "tr-recompute")
 E2E_MODES = ("tr", "tr-shards", "tr-synthetic", "dali-compile", "dali-shards-compile", "dl-compile")
 
 
-def as_list(spec) -> list[str]:
+def as_list(spec, key: str = "bench.modes") -> list[str]:
     """A mode list given as [a,b] (a list) or "a,b" (a string)."""
+    if not isinstance(spec, (str, Sequence)):
+        raise ConfigError(f"{key}: expects a list such as [tr,reduce-overhead] or auto, got {spec!r}")
     items = spec.split(",") if isinstance(spec, str) else [str(m) for m in spec]
     return [m.strip() for m in items if m.strip()]
 

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         b = cfg.bench
         if b.cold and not b.epoch_mix:
             raise ConfigError("bench.cold: applies to the epoch mix; add bench.epoch_mix=true")
+        for key, least in (("steps", 1), ("repeats", 1), ("warmup", 0), ("generate", 0)):
+            if b[key] < least:
+                raise ConfigError(f"bench.{key}: must be >= {least}, got {b[key]}")
         device = pick_device(pc)
         if b.data:
             out = _end_to_end(pc, b, device)
@@ -103,7 +106,7 @@ def _steps(argv: list[str], pc, b, device) -> dict | int:
         out["profile"] = [profile_mode(m) for m in built]
         print(profile_table(out["profile"]))
     if b.epoch_mix:
-        mm = None if b.epoch_mix_modes == "auto" else as_list(b.epoch_mix_modes)
+        mm = None if b.epoch_mix_modes == "auto" else as_list(b.epoch_mix_modes, "bench.epoch_mix_modes")
         if b.cold:  # the processes of their own get the device memory the modes above held
             for m in built:
                 m.close()
