@@ -284,6 +284,8 @@ def test_done_line_says_when_no_validation_ran(tmp_path):
     assert out.returncode == 0, out.stderr[-1500:]
     done = [l for l in out.stdout.splitlines() if l.startswith("done:")][0]
     assert "2 steps" in done and "final val top1 n/a (the last epoch ran no validation)" in done and "nan" not in done
+    summary = [l for l in out.stdout.splitlines() if l.startswith("summary:")][0]
+    assert summary.startswith("summary: best val top1 n/a  total") and "nan" not in summary
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

@@ -3,6 +3,7 @@ validation, metrics and checkpoints."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -307,7 +308,7 @@ class Trainer:
             self.write_metrics(history, summary)
             tel.close()
             self.log(f"nothing to train: the run was complete at step {step}; its summary is kept "
-                     f"(best val top1 {summary['best_val_top1']:.2f}, {res.img_per_sec:,.1f} img/s)")
+                     f"(best val top1 {_top1(summary['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
             return res
         vals = [r["val"]["top1"] for r in history if "val" in r]
         summary = {"best_val_top1": max(vals) if vals else float("nan"),
@@ -321,7 +322,7 @@ class Trainer:
         res.summary = summary
         self.write_metrics(history, summary)
         tel.close(_jsonable(self.pc.to_dict()), summary)
-        self.log(f"summary: best val top1 {summary['best_val_top1']:.2f}  total {summary['total_seconds']:.1f}s  "
+        self.log(f"summary: best val top1 {_top1(summary['best_val_top1'])}  total {summary['total_seconds']:.1f}s  "
                  f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
                  f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB"
                  + (f"  objective {summary['objective']} {summary['objective_value']:.4f}"
@@ -454,3 +455,8 @@ def format_epoch(rec: dict) -> str:
     if rec.get("skipped"):
         s += f"  skipped {int(rec['skipped'])}"
     return s
+
+
+def _top1(v: float) -> str:
+    """A top-1 figure for the log; n/a where no validation ran (NaN)."""
+    return "n/a" if math.isnan(v) else f"{v:.2f}"
