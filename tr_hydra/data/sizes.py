@@ -59,6 +59,10 @@ def _why(e: BaseException) -> str:
 
 
 def dataset_sizes(data, train_override: int | None, val_override: int | None) -> tuple[int, int]:
+    for key, given in (("variants.train_size", train_override), ("variants.val_size", val_override),
+                       ("data.train_size", data.train_size), ("data.val_size", data.val_size)):
+        if given is not None and given < 0:
+            raise ConfigError(f"{key}: must be >= 1 (or null: counted from the source), got {given}")
     train, val = train_override or data.train_size, val_override or data.val_size
     if train is None or val is None:
         if data.name == "imagefolder":
