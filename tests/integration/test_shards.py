@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -17,9 +18,9 @@ import torch
 from PIL import Image
 
 from tests.integration.test_cli import ENV, _cli
+from tests.helpers import fit_stop_resume
 from tests.unit.test_data import folder_config, make_folder
-from tr_hydra.config.plan_config import DataSpec, TrainerSpec
-from tr_hydra.train.trainer import Trainer
+from tr_hydra.config.plan_config import DataSpec
 
 DIGITS_AS_SHARDS = ["data.num_classes=10", "data.image_size=32", "data.mean=[0,0,0]", "data.std=[255,255,255]",
                     "data.crop_scale=[0.6,1.0]", "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]
@@ -139,7 +140,26 @@ def test_undecodable_sources_stop_the_run_or_are_skipped_and_counted(tmp_path):
     assert [ln.split()[2].rstrip(":") for ln in skipped] == ["train/dog/bad.jpg", "train/emu/cut.jpg"]
     index = json.loads((out / "index.json").read_text())
     assert index["splits"]["train"]["count"] == 8 and index["splits"]["train"]["skipped"] == 2
-    assert "(2 skipped)" in r.stdout.splitlines()[-1]
+    last = r.stdout.splitlines()[-1]
+    assert "(2 skipped)" in last
+    read, written = (int(w) for w in re.match(r"prepare: (\d+) images read, (\d+) written in ", last).groups())
+    assert read - written == 2  # the written count leaves the skipped files out
+
+
+def test_a_preparation_with_every_image_skipped_is_no_training_set(tmp_path):
+    """Every file undecodable and skipped: the shards hold no image, and a run on them stops with
+    one line that counts the images, not a size check on settings the user never gave."""
+    from tr_hydra.data.prepare import Settings, prepare
+    from tr_hydra.data.sizes import dataset_sizes
+    from tr_hydra.errors import ConfigError
+    for split in ("train", "val"):
+        (tmp_path / "src" / split / "a").mkdir(parents=True)
+        (tmp_path / "src" / split / "a" / "x.jpg").write_text("not an image")
+    done = prepare(DataSpec(name="imagefolder", root=str(tmp_path / "src")), tmp_path / "out",
+                   Settings(max_side=16, shard_samples=4), workers=1, skip_corrupt=True, log=lambda *_: None)
+    assert (done["images_read"], done["images_written"]) == (2, 0) and done["splits"]["train"]["count"] == 0
+    with pytest.raises(ConfigError, match="^data: 0 training and 0 validation images; each split needs at least one$"):
+        dataset_sizes(DataSpec(name="shards", root=str(tmp_path / "out")), None, None)
 
 
 def test_training_on_prepared_digits_matches_the_folder(tmp_path):
@@ -183,23 +203,15 @@ def test_a_damaged_or_unfinished_preparation_is_one_line(tmp_path):
 def test_training_resumed_mid_epoch_on_shards_is_exact(tmp_path):
     """As on the folder: 3 epochs in one run == stopped mid-epoch, resumed, finished."""
     from tr_hydra.data.prepare import Settings, prepare
-    from tr_hydra.train import checkpoint as ck
     make_folder(tmp_path / "data", fmt="JPEG", per_class=(5, 4, 4), size=20)
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",
             Settings(max_side=16, shard_samples=5), workers=1, skip_corrupt=False, log=lambda *_: None)
     base = folder_config(tmp_path / "data", shuffle=True, augment=True, train=13, val=13)
     base = dataclasses.replace(base, data=dataclasses.replace(base.data, name="shards", root=str(tmp_path / "shards")),
                                runtime=dataclasses.replace(base.runtime, deterministic=True))
-    full = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1)), tmp_path / "a",
-                   log=lambda *_: None)
-    full.fit()
+    full, resumed, at_stop = fit_stop_resume(base, tmp_path, 6, epochs=3, log_every=1)
     assert full.source.index["train"].blob is not None  # the shards' bytes, not the folder's files
-    Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1, max_steps=6)), tmp_path / "b",
-            log=lambda *_: None).fit()
-    assert ck.checkpoints_in(tmp_path / "b")[0].name == "ckpt_e0001_s00000006.pt"
-    resumed = Trainer(dataclasses.replace(base, trainer=TrainerSpec(epochs=3, log_every=1), resume="auto"),
-                      tmp_path / "b", log=lambda *_: None)
-    resumed.fit()
+    assert at_stop[0] == "ckpt_e0001_s00000006.pt"
     a, b = full.final_state_dict(), resumed.final_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 

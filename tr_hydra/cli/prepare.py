@@ -84,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
     n = done["workers"]
-    rate = (f"{done['images_written']:,} images written in {done['seconds']:.1f} s: {done['img_per_sec']:,.1f} img/s "
+    read, written = done["images_read"], done["images_written"]
+    count = f"{written:,} images written" if read == written else f"{read:,} images read, {written:,} written"
+    rate = (f"{count} in {done['seconds']:.1f} s: {done['img_per_sec']:,.1f} img/s "
             f"with {n} process{'es' if n != 1 else ''} ({done['img_per_sec'] / n:,.1f} img/s per process)"
             if done["img_per_sec"] else "nothing left to write")
     parts = ", ".join(f"{s} {m['count']:,} samples in {m['shards']} shard{'s' if m['shards'] != 1 else ''}"
                       + (f" ({m['skipped']} skipped)" if m["skipped"] else "") for s, m in done["splits"].items())
-    print(f"prepare: {rate}; {parts}; train with data=shards data.root={os.path.abspath(cfg.prepare.out)}", flush=True)
+    use = (f"train with data=shards data.root={os.path.abspath(cfg.prepare.out)}" if done["splits"].get("train", {}).get("count")
+           else "the train split holds no image: nothing to train on")
+    print(f"prepare: {rate}; {parts}; {use}", flush=True)
     return 0
 
 

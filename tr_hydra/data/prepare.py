@@ -288,8 +288,9 @@ def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrup
     finally:
         _drop_partial(out)  # the shards stopped mid-write (an error, Ctrl-C): never read, not kept
     seconds = time.perf_counter() - t0
+    skipped = sum(len(sides[j[:2]]["skipped"]) for j in todo)
     return _write_index(out, source, manifest, jobs, sides) | {
-        "images_written": done_images, "seconds": seconds, "workers": workers,
+        "images_read": done_images, "images_written": done_images - skipped, "seconds": seconds, "workers": workers,
         "img_per_sec": done_images / seconds if seconds > 0 and done_images else None}
 
 

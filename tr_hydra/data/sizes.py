@@ -88,5 +88,5 @@ def dataset_sizes(data, train_override: int | None, val_override: int | None) ->
         else:
             raise ConfigError(f"data.train_size/data.val_size: required for data={data.name}")
     if train < 1 or val < 1:
-        raise ConfigError(f"data.train_size/data.val_size: must be >= 1, got {train}/{val}")
+        raise ConfigError(f"data: {train} training and {val} validation images; each split needs at least one")
     return int(train), int(val)
