@@ -57,6 +57,7 @@ def test_top_level_booleans_and_interpolated_classes():
     ("runtime.inductor_options={coordinate_descent_tuning:true}", "runtime.tuning decides it"),
     ("trainer.epochs=-1", "trainer.epochs: must be >= 1"),    # named before what depends on it
     ("variants.val_size=-5", "variants.val_size: must be >= 1 (or null"),
+    ("data=arrays", "data.path: required for data=arrays (an .npz with"),
     # options that measured no gain are gone: the usual unknown-key line
     ("runtime.compile_gc=python", "Key 'compile_gc' not in 'RuntimeConfig'"),
     ("runtime.backward_streams=2", "Key 'backward_streams' not in 'RuntimeConfig'"),

@@ -77,7 +77,9 @@ def dataset_sizes(data, train_override: int | None, val_override: int | None) ->
             n_train, n_val = split_counts(data.root)
             train, val = train or n_train, val or n_val
         elif data.name == "arrays":
-            if not data.path or not Path(data.path).is_file():
+            if not data.path:
+                raise ConfigError("data.path: required for data=arrays (an .npz with x_train, y_train, x_val, y_val)")
+            if not Path(data.path).is_file():
                 raise ConfigError(f"data.path: {data.path!r} is not a file")
             with open_npz(data.path) as z:
                 for key in ("x_train", "y_train", "x_val", "y_val"):
