@@ -146,18 +146,21 @@ def test_undecodable_sources_stop_the_run_or_are_skipped_and_counted(tmp_path):
     assert read - written == 2  # the written count leaves the skipped files out
 
 
-def test_a_preparation_with_every_image_skipped_is_no_training_set(tmp_path):
-    """Every file undecodable and skipped: the shards hold no image, and a run on them stops with
-    one line that counts the images, not a size check on settings the user never gave."""
-    from tr_hydra.data.prepare import Settings, prepare
+def test_a_preparation_with_every_image_skipped_is_no_training_set(tmp_path, capsys):
+    """Every file undecodable and skipped: tr-prepare's last line counts nothing written and says
+    there is nothing to train on, and a run on the shards stops with one line that counts the
+    images, not a size check on settings the user never gave."""
+    from tr_hydra.cli.prepare import main
     from tr_hydra.data.sizes import dataset_sizes
     from tr_hydra.errors import ConfigError
     for split in ("train", "val"):
         (tmp_path / "src" / split / "a").mkdir(parents=True)
         (tmp_path / "src" / split / "a" / "x.jpg").write_text("not an image")
-    done = prepare(DataSpec(name="imagefolder", root=str(tmp_path / "src")), tmp_path / "out",
-                   Settings(max_side=16, shard_samples=4), workers=1, skip_corrupt=True, log=lambda *_: None)
-    assert (done["images_read"], done["images_written"]) == (2, 0) and done["splits"]["train"]["count"] == 0
+    assert main(["data=imagefolder", f"data.root={tmp_path / 'src'}", f"prepare.out={tmp_path / 'out'}",
+                 "prepare.skip_corrupt=true", "prepare.workers=1"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("prepare: 2 images read, 0 written in ")
+    assert "train 0 samples" in last and last.endswith("; the train split holds no image: nothing to train on")
     with pytest.raises(ConfigError, match="^data: 0 training and 0 validation images; each split needs at least one$"):
         dataset_sizes(DataSpec(name="shards", root=str(tmp_path / "out")), None, None)
 
