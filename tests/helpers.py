@@ -31,17 +31,25 @@ def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_siz
 
 
 
-def plain_and_folded_logits(tr, x):
-    """A fitted trainer's logits for ``x`` in eval mode, as the plain model gives them and with
-    BatchNorm folded into the convolutions (validation's form)."""
+def assert_folding_keeps_the_logits(tr, x) -> None:
+    """A fitted trainer's eval-mode logits for ``x`` with BatchNorm folded into the convolutions
+    (validation's form) are those of the plain model: each as far from a float64 evaluation of
+    the plain model as 16 times the plain float32 model's own error (at least one float32 step of
+    the largest logit), and not the same bits (another computation, not the same path)."""
+    import copy
+
     import torch
     tr.model.eval()
     with torch.no_grad():
+        ref = copy.deepcopy(tr.model).double()(x.double())
         plain = tr.model(x)
         tr.ex.before_validation()
         with tr.ex.folded():
             folded = tr.model(x)
-    return plain, folded
+    err = lambda t: (t.double() - ref).abs().max().item()  # noqa: E731
+    floor = torch.finfo(torch.float32).eps * ref.abs().max().item()
+    assert err(folded) <= 16 * max(err(plain), floor), (err(folded), err(plain), floor)
+    assert not torch.equal(plain, folded)
 
 
 def fit_stop_resume(base: PlanConfig, root: Path, max_steps: int, **spec):
