@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -116,15 +118,29 @@ def test_the_modes_and_their_one_line_errors():
         pick_modes(3, CPU)
 
 
-@pytest.mark.parametrize("override,needle", [("bench.steps=0", "bench.steps: must be >= 1, got 0"),
-                                             ("bench.repeats=0", "bench.repeats: must be >= 1, got 0"),
-                                             ("bench.warmup=-1", "bench.warmup: must be >= 0, got -1")])
-def test_the_benchs_counts_are_checked_before_anything_is_built(override, needle, capsys):
+@pytest.mark.parametrize("override,needle", [
+    ("bench.steps=0", "bench.steps: must be >= 1, got 0"),
+    ("bench.repeats=0", "bench.repeats: must be >= 1, got 0"),
+    ("bench.warmup=-1", "bench.warmup: must be >= 0, got -1"),
+    ("bench.data={tmp}/none", "bench.data: {tmp}/none is not a folder (bench.generate=N writes"),
+    ("bench.out={tmp}/a_file/b.json", "bench.out: cannot write {tmp}/a_file/b.json: "),  # under a file
+])
+def test_the_benchs_settings_are_checked_before_anything_is_built(override, needle, capsys, tmp_path):
     from tr_hydra.cli.bench import main
+    (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as e:
-        main(["recipe=cpu_smoke", override])
+        main(["recipe=cpu_smoke", override.format(tmp=tmp_path)])
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert e.value.code == 2 and err == [f"tr-bench: error: {needle}"]
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"tr-bench: error: {needle.format(tmp=tmp_path)}")
+
+
+def test_the_results_folder_is_made(tmp_path):
+    from tr_hydra.bench.report import check_writable, write_json
+    path = str(tmp_path / "new" / "r.json")
+    check_writable(path)
+    assert os.listdir(tmp_path / "new") == []  # its probe file is gone
+    write_json({"a": 1}, path, quiet=True)
+    assert json.loads(open(path).read()) == {"a": 1}
 
 
 def test_tr_hydras_modes_runtime_settings():

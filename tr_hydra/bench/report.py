@@ -9,6 +9,7 @@ import time
 
 from tr_hydra.bench.modes import PYTORCH_MODES
 from tr_hydra.bench.timing import sync
+from tr_hydra.errors import ConfigError
 
 # ------------------------------------------------------------------ the step table
 
@@ -308,6 +309,19 @@ def host_line(info: dict) -> str:
     return (f"host: {info['cpu']}, {info['cores']} cores; Python {info['python']} "
             f"(a loop of 2M squares: {info['python_loop_ms']:.0f} ms), bytecode {info['bytecode']}; "
             f"torch {info['torch']}" + (f"; {info['gpu']}" if info.get("gpu") else ""))
+
+
+def check_writable(path: str | None) -> None:
+    """Fails now, in one line, where ``write_json`` could not write ``path`` at the end; makes
+    its folder if missing."""
+    path = path or "bench.json"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(f"{path}.tmp", "w"):
+            pass
+        os.remove(f"{path}.tmp")
+    except OSError as e:
+        raise ConfigError(f"bench.out: cannot write {path}: {e.strerror or e}") from None
 
 
 def write_json(out: dict, path: str | None, quiet: bool = False) -> None:

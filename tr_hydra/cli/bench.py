@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         for key, least in (("steps", 1), ("repeats", 1), ("warmup", 0), ("generate", 0)):
             if b[key] < least:
                 raise ConfigError(f"bench.{key}: must be >= {least}, got {b[key]}")
+        if b.data and not b.generate and not os.path.isdir(b.data):
+            raise ConfigError(f"bench.data: {b.data} is not a folder (bench.generate=N writes N generated JPEGs "
+                              "into it first)")
+        report.check_writable(b.out)
         device = pick_device(pc)
         if b.data:
             out = _end_to_end(pc, b, device)
