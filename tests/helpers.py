@@ -30,7 +30,6 @@ def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_siz
         train_size=train_size, val_size=val_size, **kw)
 
 
-
 def assert_folding_keeps_the_logits(tr, x) -> None:
     """A fitted trainer's eval-mode logits for ``x`` with BatchNorm folded into the convolutions
     (validation's form) are those of the plain model: each as far from a float64 evaluation of

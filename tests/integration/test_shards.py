@@ -17,8 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.integration.test_cli import ENV, _cli
 from tests.helpers import fit_stop_resume
+from tests.integration.test_cli import ENV, _cli
 from tests.unit.test_data import folder_config, make_folder
 from tr_hydra.config.plan_config import DataSpec
 

@@ -5,10 +5,10 @@ results) built, warmed up and timed. tr_hydra's modes build a ``Runtime`` and ge
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 

@@ -8,8 +8,8 @@ import dataclasses
 import enum
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tr_hydra.config import objective, schema
