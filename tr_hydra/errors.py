@@ -47,6 +47,10 @@ class DiskError(RunDirError):
     the message names the file and the cause."""
 
 
+class DirInUse(RunDirError):
+    """Another live process writes into the dir (``files.hold_dir``); the message names it."""
+
+
 def disk_error(what: str, path, e: OSError, action: str = "write") -> DiskError:
     """``what: cannot <action> <path>: <cause>`` from an OSError (its strerror, not its repr)."""
     import os

@@ -1,10 +1,11 @@
-"""Files written whole or not at all: checkpoints, metrics, weights, tr-prepare's index."""
+"""Files written whole or not at all (checkpoints, metrics, weights, tr-prepare's index), and
+dirs that one process at a time writes into (a run dir, a sweep dir, tr-prepare's output)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tr_hydra.errors import disk_error
+from tr_hydra.errors import DirInUse, disk_error
 
 
 def write_atomic(path: Path, *parts: bytes, what: str = "checkpoint") -> Path:
@@ -33,3 +34,38 @@ def write_atomic(path: Path, *parts: bytes, what: str = "checkpoint") -> Path:
     except OSError:
         pass
     return path
+
+
+def _holder(fd: int) -> str:
+    """The pid holding a lock on ``fd``'s inode, from /proc/locks ("pid unknown" elsewhere)."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == inode:
+                    return f"pid {parts[4]}"
+    except OSError:
+        pass
+    return "pid unknown"
+
+
+def hold_dir(path, what: str) -> int:
+    """An exclusive lock on the dir ``path`` (which exists) for as long as this process lives:
+    a second process asking for it gets ``DirInUse("<what>: <path> is in use by another run
+    (pid N) ...")`` at once. The lock is on the dir itself, so holding it writes nothing there;
+    the kernel drops it when the process ends, however it ends. Returns the descriptor (kept open,
+    not inherited by child programs)."""
+    import fcntl
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise DirInUse(f"{what}: {os.fsdecode(path)} is in use by another run ({holder}); "
+                       f"wait for it to end, or pick another dir") from None
+    except OSError:  # a file system without locks: run unlocked rather than not at all
+        pass
+    return fd
