@@ -58,7 +58,7 @@ class Compiled:
     def library_workspace(self) -> int:
         """The BLAS workspaces a CUDA run holds (none when the plan runs on the CPU, or when
         its step calls no cuBLAS product)."""
-        return 0 if self.config.runtime.device == "cpu" or not self.blas else BLAS_WORKSPACE_BYTES
+        return 0 if device_type_of(self.config) == "cpu" or not self.blas else BLAS_WORKSPACE_BYTES
 
     @property
     def predicted_need(self) -> int:
