@@ -239,6 +239,20 @@ def inductor_options(opts: Any) -> tuple:
     return tuple(out)
 
 
+NO_RESUME = ("", "none", "null", "false", "no", "off")
+
+
+def resume_choice(value) -> str | None:
+    """``resume`` as one value: None for every spelling of "no resume" (null, false, none, off,
+    ...), else ``auto`` or a checkpoint path. ``resume=true`` says neither, and is refused."""
+    if value is None or value is False or str(value).strip().lower() in NO_RESUME:
+        return None
+    if value is True or str(value).strip().lower() == "true":
+        raise ConfigError("resume: auto (the newest valid checkpoint of the run dir), a checkpoint path, "
+                          "or null, got true")
+    return str(value)
+
+
 def _refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
     """Keys added with ``+`` (Hydra adds them past the schema's struct check) that no option
     of ``schema_cls`` declares. A field of a dataclass type is a section, checked key by key;
@@ -371,4 +385,4 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
                       bn_folded=bool(cfg.plan.bn_folded),
                       share_grad16=bool(cfg.plan.share_grad16), seed=int(cfg.seed),
-                      resume=cfg.resume)
+                      resume=resume_choice(cfg.resume))

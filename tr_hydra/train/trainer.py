@@ -37,11 +37,6 @@ def _mkdir(d: Path, what: str) -> None:
         raise disk_error(what, d, e, "create") from None
 
 
-def _no_resume(value) -> bool:
-    """``resume`` unset: null, or the words none/null/false given on the command line."""
-    return not value or str(value).strip().lower() in ("none", "null", "false")
-
-
 class _Stop(Exception):
     """Leaves the epoch loop at a step boundary (preemption, or an error after a checkpoint)."""
 
@@ -142,7 +137,7 @@ class Trainer:
         """(epoch, step, history) to start from; restores the arena when resuming."""
         from tr_hydra.runtime.distributed import broadcast
         pc, rt = self.pc, self.rt
-        if _no_resume(pc.resume):
+        if pc.resume is None:
             return 0, 0, []
         if pc.resume == "auto":
             # rank 0 picks the checkpoint; every rank loads that same file (or stops with it,
