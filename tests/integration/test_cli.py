@@ -24,9 +24,9 @@ def _cli(name: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def run(name, *args, cwd):
-    return subprocess.run(_cli(name) + list(args), cwd=cwd, capture_output=True, text=True, env=ENV,
-                          timeout=600)
+def run(name, *args, cwd, env=None):
+    return subprocess.run(_cli(name) + list(args), cwd=cwd, capture_output=True, text=True,
+                          env=dict(ENV, **(env or {})), timeout=600)
 
 
 def test_tr_plan_table_from_any_directory(tmp_path):

@@ -43,10 +43,10 @@ def test_rerun_never_writes_into_the_run_it_replays(tmp_path):
     # the original's dir named on the rerun's own command line: refused, nothing written there
     # (its .hydra/ neither); a resume of another plan there too
     for extra, needle in ((["trainer.epochs=1"], "resume=auto"),
-                          (["model.width=8", "resume=auto"], "another plan (model.width 16 there, 8 here)")):
+                          (["model.width=8", "resume=auto"], "another config (model.width 16 there, 8 here)")):
         out = run("tr-train", "--rerun", str(orig), *extra, f"hydra.run.dir={orig}", cwd=tmp_path)
         line = _one_line(out)
-        assert out.returncode == 2 and f"hydra.run.dir={orig} already holds a run's results" in line, line
+        assert out.returncode == 2 and f"hydra.run.dir={orig} already holds a run" in line, line
         assert needle in line, line
         assert _files(orig) == before
 

@@ -38,10 +38,59 @@ def fail(prog: str, e: BaseException):
     sys.exit(EXIT_USAGE)
 
 
+def _short(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else f"{text[:n]}... ({len(text):,} characters)"
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of ``overrides``; one that does not parse is one ``ConfigError`` naming it
+    (Hydra's own message is a lexer's, over several lines)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+    from tr_hydra.errors import ConfigError
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except OverrideParseException:
+            key, _, value = o.partition("=")
+            hint = (f": quote the value ({key}='{value}') where it holds spaces, non-ASCII letters or "
+                    f"any of ()[]{{}}=,'\"" if value and key.isascii() else "")
+            raise ConfigError(f"{_short(o)}: Hydra cannot parse this override{hint}") from None
+    return parser.parse_overrides(overrides)
+
+
+def with_source_defaults(overrides: list[str], cfg) -> list[str]:
+    """``data=shards``: the data settings its preparation was made from (normalisation,
+    augmentation, classes: ``data.shards.recorded_data``), as overrides put before ``overrides``,
+    so that the command line's own still win; ``overrides`` as they are for any other data.
+    ``cfg``: what ``overrides`` compose to."""
+    if cfg.data.name != "shards" or not cfg.data.root:
+        return overrides
+    from tr_hydra.cli.rerun import value_text
+    from tr_hydra.data.shards import recorded_data
+    return [f"data.{k}={value_text(v)}" for k, v in recorded_data(cfg.data.root).items()] + overrides
+
+
 def compose(overrides: list[str], return_hydra_config: bool = False):
+    """The config ``overrides`` compose to (with its hydra node: ``return_hydra_config``); for
+    ``data=shards`` on its preparation's data settings (``with_source_defaults``)."""
+    cfg = _compose(overrides, return_hydra_config)
+    more = with_source_defaults(overrides, cfg)
+    return cfg if more == overrides else _compose(more, return_hydra_config)
+
+
+def _compose(overrides: list[str], return_hydra_config: bool):
     from hydra import compose as hcompose, initialize_config_dir
+    from tr_hydra.errors import ConfigError
+    parse_overrides(overrides)
     with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="tr_hydra"):
-        return hcompose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+        try:
+            return hcompose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+        except OSError as e:  # a key Hydra looks up as a config file, too long for a file name
+            named = [o for o in overrides if e.filename and o.split("=", 1)[0].lstrip("+~") in str(e.filename)]
+            key = named[0].split("=", 1)[0] if named else "an override"
+            raise ConfigError(f"{_short(key)}: not an option ({e.strerror} when Hydra looks it up)") from None
 
 
 @contextmanager

@@ -1,33 +1,26 @@
 """Rerun a past run from its run dir: every value of its saved config becomes an explicit
-override (so today's defaults cannot change it), and its own hydra.* overrides come along,
-except where it ran: a rerun never writes into the run it replays, so the original's
-``hydra.run.dir``, ``hydra.sweep.*`` and ``hydra.mode`` are dropped (with its sweeper's and
-launcher's settings: a search trial reruns as one run) and Hydra picks a new
-``outputs/<date>/<time>`` (a ``hydra.run.dir=...`` on the rerun's own command line is honoured,
-and refused by tr-train if that dir holds another run's results). Keys that are no longer
-options (what they chose is fixed behaviour now) are dropped, and named."""
+override (so today's defaults cannot change it). Only the task's config is replayed: nothing of
+the saved ``hydra.yaml`` (where it ran, its logging, its sweeper or launcher) comes along, so a
+rerun is one run in a new ``outputs/<date>/<time>`` (a ``hydra.run.dir=...`` on the rerun's own
+command line is honoured, and refused by tr-train if that dir holds another run's results), and a
+saved file cannot point the rerun at a path outside its own run dir. Keys that are no longer
+options (what they chose is fixed behaviour now) are dropped, and named; a value an older run
+saved unresolved (``${oc.env:...}``) is named too, since it is resolved again now."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
 from tr_hydra.errors import ConfigError
 
 SKIP = {"recipe"}  # a recipe's values are already in the saved config
-
-# the original's own place and mode (a sweep job's hydra.mode=MULTIRUN would make the rerun a
-# sweep), and how its sweep was driven and launched: a rerun is one run, which uses neither
-_WHERE_IT_RAN = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id",
-                 "hydra.sweeper.", "hydra.launcher.", "hydra/sweeper", "hydra/launcher")
+RESOLVER = re.compile(r"\$\{[\w.]+:")  # ${oc.env:...}, ${now:...}: not a plain reference to a key
 
 
-def _where_it_ran(override: str) -> bool:
-    key = override.split("=", 1)[0].lstrip("+~")
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in _WHERE_IT_RAN)
-
-
-def _value(v) -> str:
+def value_text(v) -> str:
+    """A plain value (a saved config's) as the text of an override that sets exactly it."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -35,10 +28,15 @@ def _value(v) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ",".join(_value(x) for x in v) + "]"
+        return "[" + ",".join(value_text(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
-    s = str(v).replace("\\", "\\\\").replace("'", "\\'")
+        return "{" + ",".join(f"{k}:{value_text(x)}" for k, x in v.items()) + "}"
+    return quoted(str(v))
+
+
+def quoted(s: str) -> str:
+    """``s`` as one quoted override value (a path with spaces, ``=``, non-ASCII letters...)."""
+    s = s.replace("\\", "\\\\").replace("'", "\\'")
     return f"'{s}'"
 
 
@@ -61,7 +59,10 @@ def _overrides(config: dict, schema, prefix: str = "") -> tuple[list[str], list[
             more, lost = _overrides(v, type(sub), f"{prefix}{k}.")
             out, gone = out + more, gone + lost
         else:
-            out.append(f"{prefix}{k}={_value(v)}")
+            if isinstance(v, str) and RESOLVER.search(v):
+                print(f"--rerun: {prefix}{k} was saved unresolved ({v}); it is resolved again now, "
+                      f"and may differ from the original's", file=sys.stderr)
+            out.append(f"{prefix}{k}={value_text(v)}")
     return out, gone
 
 
@@ -91,7 +92,9 @@ def _decode_of_older_runs(config: dict) -> None:
         data["decode"] = "gpu"
 
 
-def rerun_overrides(run_dir: str | Path) -> list[str]:
+def rerun_overrides(run_dir: str | Path, quiet: bool = False) -> list[str]:
+    """The saved config of the run in ``run_dir`` as overrides (``quiet``: without the notes on
+    stderr, for a resume, which keeps the run's own record).""" 
     import yaml
     hydra_dir = Path(run_dir) / ".hydra"
     cfg_path = hydra_dir / "config.yaml"
@@ -99,6 +102,11 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
         raise ConfigError(f"--rerun: {cfg_path} not found (is {run_dir} a tr-train run dir?)")
     from tr_hydra.config.schema import Config
     config = yaml.safe_load(cfg_path.read_text()) or {}
+    if quiet:
+        import contextlib
+        import io
+        with contextlib.redirect_stderr(io.StringIO()):
+            return rerun_overrides(run_dir)
     _tuning_of_older_runs(config)
     _decode_of_older_runs(config)
     overrides, gone = _overrides(config, Config)
@@ -106,9 +114,4 @@ def rerun_overrides(run_dir: str | Path) -> list[str]:
         print(f"--rerun: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer "
               f"{'an option' if len(gone) == 1 else 'options'} (what they chose is fixed now); dropped",
               file=sys.stderr)
-    hydra_yaml = hydra_dir / "hydra.yaml"
-    if hydra_yaml.is_file():
-        h = yaml.safe_load(hydra_yaml.read_text()) or {}
-        saved = ((h.get("hydra") or {}).get("overrides") or {}).get("hydra") or []
-        overrides += [o for o in saved if not _where_it_ran(str(o))]
     return overrides

@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 
 from tr_hydra.errors import ConfigError
+from tr_hydra.files import hold_dir
+
+_HELD: list[int] = []  # the dirs this process owns (their locks' descriptors), until it ends
 
 RESULTS = ("metrics.json", "model_final.pt")
 
@@ -96,3 +99,30 @@ def check_writable(key: str, path) -> None:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def take_dir(key: str, path, check) -> None:
+    """Make ``path`` (a run or sweep dir) this process's: made where missing, locked
+    (``files.hold_dir``: a second tr-train on it is refused naming this one's pid), then
+    ``check()`` under the lock (it holds no other run's results, now that no other run can start
+    there). Refused, the dirs made for it are removed again: a refused run leaves nothing."""
+    p = Path(path)
+    made, q = [], p
+    while not os.path.lexists(q) and q != q.parent:
+        made.append(q)
+        q = q.parent
+    p.mkdir(parents=True, exist_ok=True)  # check_writable said it can be made
+    fd = None
+    try:
+        fd = hold_dir(p, key)
+        check()
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        for d in made:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    _HELD.append(fd)

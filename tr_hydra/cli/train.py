@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from tr_hydra.cli._common import compose, fail, one_line, user_errors
+from tr_hydra.cli._common import compose, fail, one_line, parse_overrides, user_errors, with_source_defaults
 from tr_hydra.cli.plugins import check_plugins, search_sweeper
-from tr_hydra.cli.run_dir import check_run_dir, check_writable, results_in
+from tr_hydra.cli.run_dir import check_run_dir, check_writable, results_in, take_dir
 from tr_hydra.config.locate import config_dir
 from tr_hydra.errors import ConfigError
 
@@ -74,20 +74,38 @@ def _sweep_jobs(argv: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) -> None:
+def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) -> list[str]:
     """What Hydra would report as a multi-line error or a traceback, as one line (exit 2),
-    before anything is written: the config of the run (or every job of a sweep), the run or
-    sweep dir (writable, not holding another run's results). ``composed``: ``_composed(argv)``."""
-    from tr_hydra.config.plan_config import plan_config_from
+    before anything is written: every override parses, the config of the run (or every job of a
+    sweep) composes, the run or sweep dir can be made and holds no other run's results. Then the
+    dir is this process's (``take_dir``: a lock, held until the process ends) and named to Hydra
+    by its real path; a resume of the run there composes from the run's saved config. Returns
+    argv as Hydra is to run it. ``composed``: ``_composed(argv)``."""
+    from tr_hydra.config.plan_config import plan_config_from, resume_choice
     with user_errors("tr-train"):
+        parse_overrides(_all_overrides(argv))
         check_plugins(_all_overrides(argv))
         if not multirun:
             pc = plan_config_from(compose(_overrides(argv)))
             run_dir, _ = _hydra_dirs(composed)
-            if rank0 and run_dir is not None:
-                check_writable("hydra.run.dir", run_dir)
-                check_run_dir("hydra.run.dir", run_dir, pc)
-            return
+            if run_dir is None:
+                return argv
+            run_dir = os.path.realpath(run_dir)  # "a/nothere/../run1" is run1: the dir checked is the dir used
+
+            def as_run():  # every rank composes what rank 0 does
+                resumed = _resumed(run_dir, argv) if pc.resume is not None else None
+                return resumed or with_source_defaults(argv, composed)
+            if not rank0:
+                return as_run()
+            check_writable("hydra.run.dir", run_dir)
+            argv = _named("hydra.run.dir", run_dir, argv)
+
+            def only_this_run():
+                nonlocal argv
+                argv = as_run()
+                check_run_dir("hydra.run.dir", run_dir, plan_config_from(compose(_overrides(argv))))
+            take_dir("hydra.run.dir", run_dir, only_this_run)
+            return argv
         # a sweep: every job's config composes (a value of the wrong type is refused here, naming
         # key and value); the checks of each job's values are its own (a failed job is a row).
         # A search sweeper picks its jobs' values itself: what is fixed composes, and the
@@ -103,17 +121,44 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) 
             for job in jobs:
                 compose(_overrides(job))
             _, sweep_dir = _hydra_dirs(_composed(jobs[0]) if jobs else fixed)
-        if rank0 and sweep_dir is not None:
-            check_writable("hydra.sweep.dir", sweep_dir)
-            jobs_there = Path(sweep_dir).iterdir() if Path(sweep_dir).is_dir() else ()
-            held = sorted((d.name for d in jobs_there if d.is_dir() and results_in(d)), key=lambda n: (len(n), n))
-            resumes = all(any(o.split("=", 1)[0].lstrip("+") == "resume" and o.split("=", 1)[1] not in
-                              ("null", "None", "") for o in job) for job in jobs)
+        argv = with_source_defaults(argv, fixed)
+        if not rank0 or sweep_dir is None:
+            return argv
+        sweep_dir = os.path.realpath(sweep_dir)
+        check_writable("hydra.sweep.dir", sweep_dir)
+        resumes = all(any(o.split("=", 1)[0].lstrip("+") == "resume" and resume_choice(o.split("=", 1)[1])
+                          for o in job) for job in jobs)
+
+        def no_other_sweep():
+            held = sorted((d.name for d in Path(sweep_dir).iterdir() if d.is_dir() and results_in(d)),
+                          key=lambda n: (len(n), n))
             if held and not resumes:
                 raise ConfigError(f"hydra.sweep.dir={sweep_dir} already holds another sweep's results "
                                   f"(job{'s' if len(held) > 1 else ''} {', '.join(held)}); a run never "
                                   f"writes over another's: leave hydra.sweep.dir out (a new dir), pick "
                                   f"another, or add resume=auto to continue those jobs")
+        take_dir("hydra.sweep.dir", sweep_dir, no_other_sweep)
+        return _named("hydra.sweep.dir", sweep_dir, argv)
+
+
+def _named(key: str, path: str, argv: list[str]) -> list[str]:
+    """argv with ``key`` set to ``path`` (quoted: any character of a path is a value)."""
+    from tr_hydra.cli.rerun import quoted
+    return [a for a in argv if a.split("=", 1)[0].lstrip("+") != key] + [f"{key}={quoted(path)}"]
+
+
+def _resumed(run_dir: str, argv: list[str]) -> list[str] | None:
+    """A resume of the run in ``run_dir``: argv after the run's saved config, so what the command
+    line leaves out is what the run had, not today's default; an override that changes what the
+    run computes is refused (``record.resume_changes`` names the rest in the log). None where the
+    dir holds no record."""
+    from tr_hydra.cli.record import explicit_changes, saved_config
+    from tr_hydra.cli.rerun import rerun_overrides
+    saved = saved_config(run_dir)
+    if saved is None:  # no record (an older run's dir, or a new one): the checkpoint's fingerprint decides
+        return None
+    explicit_changes(run_dir, saved, compose(_overrides(argv)), _overrides(argv))
+    return rerun_overrides(run_dir, quiet=True) + argv
 
 
 def _close(trainer) -> None:
@@ -203,12 +248,16 @@ class TrialFailed(RuntimeError):
 def _train(cfg, run_dir: str, key: str) -> float:
     from tr_hydra.config.plan_config import plan_config_from
     from tr_hydra.runtime.world import env_world, submitit_job
-    pc = plan_config_from(cfg)
     w = env_world()
-    if w is None or w[0] == 0:  # the other ranks keep no run dir of their own
+    rank0 = w is None or w[0] == 0  # the other ranks keep no run dir of their own
+    changes = _record(cfg, run_dir) if rank0 else []
+    pc = plan_config_from(cfg)
+    if rank0:
         check_run_dir(key, run_dir, pc)
     from tr_hydra.train.trainer import Trainer
     say = _RunLog(run_dir)
+    if changes:
+        say(f"resume: the run's saved config, with {'; '.join(changes)}")
     job = submitit_job()
     if job:
         say(job)
@@ -233,6 +282,18 @@ def _train(cfg, run_dir: str, key: str) -> float:
     val = f"final val top1 {top1:.2f}" if top1 is not None else "final val top1 n/a (the last epoch ran no validation)"
     say(f"done: {result.steps} steps, {result.img_per_sec:,.1f} img/s, {val}, weights in {result.final_path}")
     return float(result.summary.get("objective_value", float("nan")))
+
+
+def _record(cfg, run_dir: str) -> list[str]:
+    """The run's record: written for a new run; a resume of a recorded run keeps it and returns
+    what it changes (refused where a change is not one a resume may make)."""
+    from hydra.core.hydra_config import HydraConfig
+    from tr_hydra.cli.record import resume_changes, saved_config, write_record
+    from tr_hydra.config.plan_config import resume_choice
+    if resume_choice(cfg.resume) is not None and saved_config(run_dir) is not None:
+        return resume_changes(run_dir, cfg)
+    write_record(run_dir, cfg, HydraConfig.get())
+    return []
 
 
 def _expand_rerun(argv: list[str]) -> list[str]:
@@ -270,11 +331,12 @@ def _rank_overrides() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = _rank_overrides()
-    argv = _expand_rerun(argv) + rank
+    argv = _expand_rerun(argv)
     composed = _composed(argv)
     multirun = _is_multirun(argv, composed)
     if not any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):  # not --help, --cfg, ...
-        _check_before_hydra(argv, multirun, rank0=not rank, composed=composed)
+        argv = _check_before_hydra(argv, multirun, rank0=not rank, composed=composed)
+    argv = argv + rank
     import hydra
     task = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(run)
     sys.argv = [sys.argv[0]] + argv
