@@ -1,0 +1,63 @@
+"""tr-prepare's faults (issue 79): a dir in use, labels changed after the fact, a worker killed,
+links and images it cannot take, keys it does not know, a deleted prepare.json; and the data
+settings a preparation records for data=shards. All in process, on a few 8-pixel images."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.unit.test_data import make_folder
+from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.errors import ConfigError
+
+
+def _prepare(src: Path, out: Path, *extra: str) -> list[str]:
+    return ["data=imagefolder", f"data.root={src}", f"prepare.out={out}", "prepare.workers=2", *extra]
+
+
+def _main(args: list[str], capfd) -> tuple[int, str, str]:
+    """tr-prepare in this process: (exit code, stdout, stderr), the workers' output included."""
+    from tr_hydra.cli.prepare import main
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def _tiny(tmp_path: Path, **kw) -> Path:
+    src = tmp_path / "src"
+    make_folder(src, per_class=(2, 2, 2), size=8, fmt="JPEG", **kw)
+    return src
+
+
+def _in_process(src: Path, out: Path, shard_samples: int = 4, **data) -> dict:
+    from tr_hydra.data.prepare import Settings, prepare
+    return prepare(DataSpec(name="imagefolder", root=str(src), **data), out,
+                   Settings(max_side=8, shard_samples=shard_samples), workers=1, skip_corrupt=False,
+                   log=lambda *_: None)
+
+
+@pytest.mark.parametrize("key", ["+prepare.bogus=1", "+model.foo=1"])
+def test_a_key_added_that_the_schema_does_not_declare_is_refused(tmp_path, capfd, key):
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    code, _, err = _main(_prepare(src, out, key), capfd)
+    name = key[1:].split("=")[0]
+    assert code == 2 and _one_line(err).startswith(f"tr-prepare: error: {name}: not an option (+ adds only keys "
+                                                   f"the schema declares; ")
+    assert not out.exists()
