@@ -53,6 +53,34 @@ def _in_process(src: Path, out: Path, shard_samples: int = 4, **data) -> dict:
                    log=lambda *_: None)
 
 
+def test_labels_changed_cut_short_or_unchecked_are_one_line_until_prepared_again(tmp_path):
+    from tr_hydra.data.shards import load_shards
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    _in_process(src, out)
+    labels = load_shards(out, log=lambda *_: None)[0]["train"][0]
+    assert labels.tolist() == [0, 0, 1, 1, 2, 2]
+    table, good = out / "train.npz", (out / "train.npz").read_bytes()
+    with np.load(table) as z:
+        cols = {k: z[k] for k in z.files}
+    np.savez(table, **(cols | {"label": np.zeros_like(cols["label"])}))  # every label 0: a valid table
+    with pytest.raises(ConfigError, match=rf"^data.root: {table} fails its SHA-256 check .*: it changed after "
+                                          rf"tr-prepare wrote it; run tr-prepare again with prepare.out={out} "):
+        load_shards(out, log=lambda *_: None)
+    table.write_bytes(good[:len(good) // 2])
+    with pytest.raises(ConfigError, match=rf"^data.root: {table} has {len(good) // 2:,} bytes, its index says "
+                                          rf"{len(good):,}: .*cut short.*; run tr-prepare again"):
+        load_shards(out, log=lambda *_: None)
+    index = json.loads((out / "index.json").read_text())
+    del index["splits"]["train"]["table"]  # as an index written before the tables had checksums
+    (out / "index.json").write_text(json.dumps(index))
+    table.write_bytes(good)
+    with pytest.raises(ConfigError, match=r"holds no checksum of train.npz \(written by an older tr-prepare\): "
+                                          r"run tr-prepare again"):
+        load_shards(out, log=lambda *_: None)
+    _in_process(src, out)  # what the lines say to do: it keeps the shards and rewrites the tables and index
+    assert load_shards(out, log=lambda *_: None)[0]["train"][0].tolist() == labels.tolist()
+
+
 @pytest.mark.parametrize("key", ["+prepare.bogus=1", "+model.foo=1"])
 def test_a_key_added_that_the_schema_does_not_declare_is_refused(tmp_path, capfd, key):
     src, out = _tiny(tmp_path), tmp_path / "out"

@@ -8,7 +8,8 @@ shards in parallel. A shard is written under a temporary name, fsynced and renam
 sidecar (``.json``: where each sample lies, SHA-256) is written the same way: a shard with a
 sidecar whose checksum holds is finished, and a run started again keeps it. ``prepare.json``
 (the settings and the source, written first) makes a run refuse a dir prepared otherwise;
-``index.json`` (written last) makes the dir readable by ``data=shards``."""
+``index.json`` (written last) makes the dir readable by ``data=shards``: it holds the checksums
+of the shards and of ``<split>.npz`` (the labels)."""
 from __future__ import annotations
 
 import hashlib
@@ -309,13 +310,16 @@ def _write_index(out: Path, source: Source, manifest: dict, jobs: list, sides: d
         arrays = {c: np.asarray(v, dtype=types.get(c, str)) for c, v in table.items()}
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        write_atomic(out / f"{split}.npz", buf.getvalue(), what="prepare")
+        blob = buf.getvalue()
+        write_atomic(out / f"{split}.npz", blob, what="prepare")
         skipped[split] = [x for side in mine for x in side["skipped"]]
         splits[split] = {"count": len(arrays["label"]), "skipped": len(skipped[split]),
+                         "table": {"name": f"{split}.npz", "bytes": len(blob),
+                                   "sha256": hashlib.sha256(blob).hexdigest()},
                          "shards": [{"name": sd["name"], "samples": len(sd["samples"]), "bytes": sd["bytes"],
                                      "sha256": sd["sha256"]} for sd in mine]}
     index = {"format": FORMAT, "classes": source.classes, "splits": splits, "settings": manifest["settings"],
              "source": manifest["source"], "skipped_sources": skipped}
     write_atomic(out / INDEX, json.dumps(index, indent=1).encode(), what="prepare")
-    return {"splits": {s: {k: v for k, v in m.items() if k != "shards"} | {"shards": len(m["shards"])}
+    return {"splits": {s: {k: v for k, v in m.items() if k not in ("shards", "table")} | {"shards": len(m["shards"])}
                        for s, m in splits.items()}}

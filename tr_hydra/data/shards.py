@@ -11,10 +11,12 @@ resume at. The bytes of a sample are contiguous in its tar, so feeding them cost
 Layout of a prepared dir: ``index.json`` (written last: a dir without it is unfinished),
 ``<split>.npz`` (per sample: shard, byte offset, size, label, source name) and
 ``<split>/shard-000000.tar`` ... Every shard's SHA-256 is in index.json; a shard is checked once
-and then again whenever its size or modification time changes."""
+and then again whenever its size or modification time changes. The ``<split>.npz`` tables (the
+labels a run trains on) are checked against their SHA-256 in index.json each time they are read."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +156,29 @@ def verify(root: Path, index: dict, log=print, stamps: Path | None = None) -> No
         pass
 
 
+def _checked_table(path: Path, want) -> bytes:
+    """The bytes of ``<split>.npz`` (the labels, where each sample lies), checked against its size
+    and SHA-256 in index.json: a table changed, cut short or from an index that has no checksum
+    of it is one line, never labels trained on unchecked. tr-prepare run again rewrites it."""
+    again = f"run tr-prepare again with prepare.out={path.parent} and the same settings (it keeps the shards " \
+            f"and rewrites {path.name})"
+    if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and isinstance(want.get("bytes"), int)):
+        raise ConfigError(f"data.root: {path.parent / INDEX} holds no checksum of {path.name} (written by an "
+                          f"older tr-prepare): {again}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data.root: {path} cannot be read ({e.strerror or type(e).__name__}): {again}") from None
+    if len(data) != want["bytes"]:
+        raise ConfigError(f"data.root: {path} has {len(data):,} bytes, its index says {want['bytes']:,}: it "
+                          f"changed after tr-prepare wrote it (cut short?); {again}")
+    have = hashlib.sha256(data).hexdigest()
+    if have != want["sha256"]:
+        raise ConfigError(f"data.root: {path} fails its SHA-256 check (index {want['sha256'][:12]}..., file "
+                          f"{have[:12]}...): it changed after tr-prepare wrote it; {again}")
+    return data
+
+
 def load_shards(root: str | Path, log=print):
     """({split: (labels, names, blob)}, class names) of a prepared dir, every shard checked:
     ``SplitIndex``'s labels, ``paths`` (names for messages) and ``blob`` (a sample's bytes)."""
@@ -165,7 +190,7 @@ def load_shards(root: str | Path, log=print):
         meta = index["splits"][split]
         path = root / f"{split}.npz"
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with np.load(io.BytesIO(_checked_table(path, meta.get("table"))), allow_pickle=False) as z:
                 table = {k: z[k] for k in ("shard", "offset", "size", "label", "number", "source")}
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"data.root: {path} cannot be read ({type(e).__name__}: {e}); "
