@@ -89,3 +89,17 @@ def test_a_key_added_that_the_schema_does_not_declare_is_refused(tmp_path, capfd
     assert code == 2 and _one_line(err).startswith(f"tr-prepare: error: {name}: not an option (+ adds only keys "
                                                    f"the schema declares; ")
     assert not out.exists()
+
+
+def test_a_preparation_without_its_prepare_json_says_what_is_missing(tmp_path):
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    _in_process(src, out)
+    (out / "prepare.json").unlink()
+    with pytest.raises(ConfigError, match=rf"^prepare.out={out} holds a finished preparation \(index.json and "
+                                          rf"shards\) but no prepare.json .*: data=shards data.root={out} reads it "
+                                          rf"as it is; to prepare again, delete that dir or pick another"):
+        _in_process(src, out)
+    (out / "index.json").unlink()
+    with pytest.raises(ConfigError, match=r"holds tr-prepare shards but no prepare.json \(the settings and source "
+                                          r"they were made from"):
+        _in_process(src, out)

@@ -219,6 +219,13 @@ def check_out(out: Path, manifest: dict) -> None:
         raise ConfigError(f"prepare.out={out} is not a directory")
     mpath = out / MANIFEST
     if not mpath.is_file():
+        finished = (out / INDEX).is_file()
+        if finished or any(any((out / split).glob("shard-*.tar*")) for split in SPLITS):
+            what = f"a finished preparation ({INDEX} and shards)" if finished else "tr-prepare shards"
+            raise ConfigError(f"prepare.out={out} holds {what} but no {MANIFEST} (the settings and source they were "
+                              f"made from, written first: deleted?), so this run cannot tell whether they are its own: "
+                              + (f"data=shards data.root={out} reads it as it is; " if finished else "")
+                              + "to prepare again, delete that dir or pick another prepare.out")
         if any(out.iterdir()):
             raise ConfigError(f"prepare.out={out} is not empty and holds no tr-prepare output: pick a new or empty dir")
         return
