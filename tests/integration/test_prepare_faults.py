@@ -81,6 +81,53 @@ def test_labels_changed_cut_short_or_unchecked_are_one_line_until_prepared_again
     assert load_shards(out, log=lambda *_: None)[0]["train"][0].tolist() == labels.tolist()
 
 
+def test_a_link_to_itself_or_to_nothing_is_an_undecodable_file(tmp_path, capfd):
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    os.symlink("self.jpg", src / "train" / "cat" / "self.jpg")
+    os.symlink("gone.jpg", src / "train" / "dog" / "link.jpg")
+    code, _, err = _main(_prepare(src, out), capfd)
+    line = _one_line(err)
+    assert code == 2 and "prepare: cannot decode train/cat/self.jpg (cannot be read (a symbolic link): Too many " \
+        "levels of symbolic links); set prepare.skip_corrupt=true" in line, line
+    code, stdout, err = _main(_prepare(src, out, "prepare.skip_corrupt=true"), capfd)
+    assert code == 0, err
+    assert [ln for ln in stdout.splitlines() if ln.startswith("prepare: skipped ")] == [
+        "prepare: skipped train/cat/self.jpg: cannot be read (a symbolic link): Too many levels of symbolic links",
+        "prepare: skipped train/dog/link.jpg: cannot be read (a symbolic link): No such file or directory"]
+    index = json.loads((out / "index.json").read_text())
+    assert index["splits"]["train"]["count"] == 6 and index["splits"]["train"]["skipped"] == 2
+
+
+def _png_claiming(path: Path, w: int, h: int) -> None:
+    """A 1x1 PNG whose header says w x h (CRC made to match): PIL reads the size, never the pixels."""
+    import io
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "PNG")
+    png = bytearray(buf.getvalue())
+    assert png[12:16] == b"IHDR"
+    png[16:24] = struct.pack(">II", w, h)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    path.write_bytes(bytes(png))
+
+
+def test_an_unknown_format_or_a_huge_image_is_said_in_words(tmp_path, capfd):
+    """A text file named .jpg: no BytesIO repr; a 169-megapixel PNG: refused by its size, before
+    a decode (no 2 GB, no PIL warning on stderr)."""
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    _png_claiming(src / "train" / "cat" / "big.png", 13000, 13000)
+    (src / "train" / "emu" / "text.jpg").write_text("not an image")
+    code, _, err = _main(_prepare(src, out), capfd)
+    assert code == 2 and _one_line(err) == (
+        "tr-prepare: error: prepare: cannot decode train/cat/big.png (13000 x 13000 pixels, 169 megapixels, more "
+        "than prepare's cap of 89.5); set prepare.skip_corrupt=true to skip such files (finished shards are kept: "
+        "run again to go on)")
+    code, stdout, err = _main(_prepare(src, out, "prepare.skip_corrupt=true"), capfd)
+    assert code == 0 and err == "", err
+    assert [ln for ln in stdout.splitlines() if ln.startswith("prepare: skipped ")] == [
+        "prepare: skipped train/cat/big.png: 13000 x 13000 pixels, 169 megapixels, more than prepare's cap of 89.5",
+        "prepare: skipped train/emu/text.jpg: not an image: PIL recognises no image format in it"]
+
+
 @pytest.mark.parametrize("key", ["+prepare.bogus=1", "+model.foo=1"])
 def test_a_key_added_that_the_schema_does_not_declare_is_refused(tmp_path, capfd, key):
     src, out = _tiny(tmp_path), tmp_path / "out"

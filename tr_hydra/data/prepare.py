@@ -9,7 +9,10 @@ sidecar (``.json``: where each sample lies, SHA-256) is written the same way: a 
 sidecar whose checksum holds is finished, and a run started again keeps it. ``prepare.json``
 (the settings and the source, written first) makes a run refuse a dir prepared otherwise;
 ``index.json`` (written last) makes the dir readable by ``data=shards``: it holds the checksums
-of the shards and of ``<split>.npz`` (the labels)."""
+of the shards and of ``<split>.npz`` (the labels).
+
+A source image over ``MAX_PIXELS`` (PIL's own default limit, 89.5 megapixels: 268 MB decoded)
+is undecodable, as a damaged file is: its header is read, never its pixels."""
 from __future__ import annotations
 
 import hashlib
@@ -20,6 +23,7 @@ import multiprocessing as mp
 import os
 import tarfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,10 +35,15 @@ from tr_hydra.errors import ConfigError, TrHydraError
 from tr_hydra.files import write_atomic
 
 MANIFEST = "prepare.json"
+MAX_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS default, fixed here: a larger source is refused
 
 
 class CorruptSource(TrHydraError):
     """A source image that cannot be decoded (without prepare.skip_corrupt)."""
+
+
+class Undecodable(TrHydraError):
+    """Why ``encode`` cannot take a source file, in words (no file name: the caller names it)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,15 @@ class Source:
     describe: dict
 
 
+def _size(path: str) -> int:
+    """A source file's size for the digest; -1 where it cannot be read (a symbolic link to
+    nothing, or to itself): the file is then reported as undecodable, as any other."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
 def open_source(data) -> Source:
     """The source of ``data`` (a composed ``data`` config: imagefolder, digits or arrays)."""
     name = str(getattr(data.name, "value", data.name))
@@ -69,8 +87,8 @@ def open_source(data) -> Source:
         val, _ = scan_imagefolder(root, "val", classes)
         splits = {"train": train, "val": val}
         names = {s: [os.path.relpath(p, root) for p in idx.paths] for s, idx in splits.items()}
-        digest = {s: hashlib.sha256("".join(f"{n}\t{os.path.getsize(p)}\n" for n, p in zip(names[s], idx.paths))
-                                    .encode()).hexdigest() for s, idx in splits.items()}
+        digest = {s: hashlib.sha256("".join(f"{n}\t{_size(p)}\n" for n, p in zip(names[s], idx.paths)).encode())
+                  .hexdigest() for s, idx in splits.items()}
         where = {"root": str(root)}
     elif name == "arrays":
         if not data.path:
@@ -90,16 +108,32 @@ def open_source(data) -> Source:
 def encode(source, max_side: int, quality: int) -> bytes:
     """One image as the shards hold it: RGB JPEG, longer side at most ``max_side`` (EXIF
     orientation applied, as DALI's decoder applies it). A JPEG that needs no change is kept
-    byte for byte (after a full decode proves it sound): no second loss of quality."""
-    from PIL import Image, ImageOps
+    byte for byte (after a full decode proves it sound): no second loss of quality. A file that
+    cannot be read, that PIL does not recognise, or over ``MAX_PIXELS``: ``Undecodable``."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
     raw = None
     if isinstance(source, np.ndarray):
         im = Image.fromarray(source)
     else:
-        with open(source, "rb") as f:
-            raw = f.read()
-        im = Image.open(io.BytesIO(raw))
+        try:
+            with open(source, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            link = " (a symbolic link)" if os.path.islink(source) else ""
+            raise Undecodable(f"cannot be read{link}: {e.strerror or type(e).__name__}") from None
+        with warnings.catch_warnings():  # the size is checked below, in words
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            try:
+                im = Image.open(io.BytesIO(raw))
+            except UnidentifiedImageError:  # PIL's message names the BytesIO, not the file
+                raise Undecodable("not an image: PIL recognises no image format in it") from None
+            except Image.DecompressionBombError:  # over 2 x PIL's limit: PIL gives no size
+                raise Undecodable(f"more than {2 * MAX_PIXELS / 1e6:.0f} megapixels, over prepare's cap of "
+                                  f"{MAX_PIXELS / 1e6:.1f}") from None
     w, h = im.size
+    if w * h > MAX_PIXELS:
+        raise Undecodable(f"{w} x {h} pixels, {w * h / 1e6:.0f} megapixels, more than prepare's cap of "
+                          f"{MAX_PIXELS / 1e6:.1f}")
     scale = max_side / max(w, h)
     if scale < 1 and im.format == "JPEG":  # decode at a reduced scale where the DCT allows it
         im.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
@@ -139,6 +173,15 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
     return tar.offset - 512 * math.ceil(len(data) / 512)
 
 
+def _reason(e: BaseException) -> str:
+    """Why a source image failed, in one line without object reprs."""
+    if isinstance(e, Undecodable):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{type(e).__name__}: {e.strerror}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
 # the source, set in the parent before the workers start (inherited by fork, or sent once)
 _WORK: dict = {}
 
@@ -166,7 +209,7 @@ def _make_shard(job: tuple[str, int, int, int]) -> dict:
                     try:
                         data = encode(src, s.max_side, s.quality)
                     except Exception as e:  # noqa: BLE001 - any decoder failure is a corrupt source
-                        skipped.append([names[i], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")])
+                        skipped.append([names[i], _reason(e)])
                         if not w["skip_corrupt"]:
                             break
                         continue
