@@ -150,3 +150,22 @@ def test_a_preparation_without_its_prepare_json_says_what_is_missing(tmp_path):
     with pytest.raises(ConfigError, match=r"holds tr-prepare shards but no prepare.json \(the settings and source "
                                           r"they were made from"):
         _in_process(src, out)
+
+
+def test_a_preparation_records_the_data_settings_of_its_source(tmp_path):
+    from tr_hydra.data.shards import recorded_data
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    mine = dict(num_classes=3, image_size=8, mean=[1.0, 2.0, 3.0], std=[4.0, 5.0, 6.0], augment=False,
+                crop_scale=[0.5, 1.0], crop_ratio=[0.9, 1.1], flip=False, val_crop=0.9)
+    _in_process(src, out, train_size=4, num_threads=1, skip_corrupt=True, **mine)
+    got = recorded_data(out)
+    assert got == mine | {"channels": 3}  # where it runs (sizes, threads, skip_corrupt, root) is not recorded
+    assert json.loads(json.dumps(got)) == got
+    assert json.loads((out / "index.json").read_text())["data"]["name"] == "imagefolder"
+    assert recorded_data(tmp_path / "nowhere") == {} and recorded_data(src) == {}
+    index = json.loads((out / "index.json").read_text())
+    del index["data"]  # written before the record was kept
+    (out / "index.json").write_text(json.dumps(index))
+    assert recorded_data(out) == {}
+    (out / "index.json").write_text("{")
+    assert recorded_data(out) == {}

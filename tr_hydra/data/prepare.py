@@ -9,7 +9,8 @@ sidecar (``.json``: where each sample lies, SHA-256) is written the same way: a 
 sidecar whose checksum holds is finished, and a run started again keeps it. ``prepare.json``
 (the settings and the source, written first) makes a run refuse a dir prepared otherwise;
 ``index.json`` (written last) makes the dir readable by ``data=shards``: it holds the checksums
-of the shards and of ``<split>.npz`` (the labels).
+of the shards and of ``<split>.npz`` (the labels), and the ``data`` settings the source was
+composed with (``shards.recorded_data``).
 
 A source image over ``MAX_PIXELS`` (PIL's own default limit, 89.5 megapixels: 268 MB decoded)
 is undecodable, as a damaged file is: its header is read, never its pixels."""
@@ -24,13 +25,13 @@ import os
 import tarfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tr_hydra.data.index import SplitIndex, load_arrays, scan_imagefolder
-from tr_hydra.data.shards import FORMAT, INDEX, SPLITS, sample_key, sha256_file, shard_name
+from tr_hydra.data.shards import FORMAT, INDEX, RECORDED, SPLITS, sample_key, sha256_file, shard_name
 from tr_hydra.errors import ConfigError, TrHydraError
 from tr_hydra.files import write_atomic
 
@@ -61,6 +62,15 @@ class Source:
     classes: list[str]
     names: dict[str, list[str]]  # per split: each sample's name for messages
     describe: dict
+    data: dict = field(default_factory=dict)  # the data settings it was composed with (index.json's "data")
+
+
+def _plain(v):
+    """A config value as JSON holds it: enums by value, sequences as lists."""
+    v = getattr(v, "value", v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return [_plain(x) for x in v]
 
 
 def _size(path: str) -> int:
@@ -102,7 +112,8 @@ def open_source(data) -> Source:
         raise ConfigError(f"data={name}: tr-prepare reads data=imagefolder, digits or arrays")
     describe = {"data": name, **where,
                 "splits": {s: {"count": len(idx), "digest": digest[s]} for s, idx in splits.items()}}
-    return Source(splits, classes, names, describe)
+    record = {"name": name} | {k: _plain(getattr(data, k, None)) for k in RECORDED}
+    return Source(splits, classes, names, describe, {k: v for k, v in record.items() if v is not None})
 
 
 def encode(source, max_side: int, quality: int) -> bytes:
@@ -369,7 +380,7 @@ def _write_index(out: Path, source: Source, manifest: dict, jobs: list, sides: d
                          "shards": [{"name": sd["name"], "samples": len(sd["samples"]), "bytes": sd["bytes"],
                                      "sha256": sd["sha256"]} for sd in mine]}
     index = {"format": FORMAT, "classes": source.classes, "splits": splits, "settings": manifest["settings"],
-             "source": manifest["source"], "skipped_sources": skipped}
+             "source": manifest["source"], "skipped_sources": skipped, "data": source.data}
     write_atomic(out / INDEX, json.dumps(index, indent=1).encode(), what="prepare")
     return {"splits": {s: {k: v for k, v in m.items() if k not in ("shards", "table")} | {"shards": len(m["shards"])}
                        for s, m in splits.items()}}

@@ -12,7 +12,8 @@ Layout of a prepared dir: ``index.json`` (written last: a dir without it is unfi
 ``<split>.npz`` (per sample: shard, byte offset, size, label, source name) and
 ``<split>/shard-000000.tar`` ... Every shard's SHA-256 is in index.json; a shard is checked once
 and then again whenever its size or modification time changes. The ``<split>.npz`` tables (the
-labels a run trains on) are checked against their SHA-256 in index.json each time they are read."""
+labels a run trains on) are checked against their SHA-256 in index.json each time they are read.
+index.json's ``data`` holds the data settings the source was composed with (``recorded_data``)."""
 from __future__ import annotations
 
 import hashlib
@@ -29,6 +30,9 @@ from tr_hydra.errors import ConfigError
 FORMAT = "tr_hydra-shards/1"
 INDEX = "index.json"
 SPLITS = ("train", "val")
+# what the data is, recorded from the source's composed ``data`` (not where or how it is read)
+RECORDED = ("num_classes", "channels", "image_size", "mean", "std", "augment", "crop_scale", "crop_ratio",
+            "flip", "val_crop")
 
 
 def shard_name(number: int) -> str:
@@ -66,6 +70,20 @@ def read_index(root: str | Path) -> dict:
         raise ConfigError(f"data.root: {path} is not a tr-prepare index (format "
                           f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT!r})")
     return index
+
+
+def recorded_data(root: str | Path) -> dict:
+    """The ``data.*`` settings (``RECORDED``: the number of classes, channels, native size,
+    normalisation and augmentation) that the source prepared in ``root`` was composed with, for
+    a ``data=shards`` run to take as its defaults; {} where there is none (no finished
+    preparation there, one written before this record was kept, a damaged index.json). Never
+    raises: the run's own checks report a bad dir."""
+    try:
+        index = json.loads((Path(root) / INDEX).read_text())
+        rec = index.get("data") if index.get("format") == FORMAT else None
+        return {k: rec[k] for k in RECORDED if k in rec} if isinstance(rec, dict) else {}
+    except Exception:  # noqa: BLE001 - anything unreadable is "no record"
+        return {}
 
 
 def split_counts(root: str | Path) -> tuple[int, int]:
