@@ -53,6 +53,23 @@ def _in_process(src: Path, out: Path, shard_samples: int = 4, **data) -> dict:
                    log=lambda *_: None)
 
 
+def test_a_prepare_into_a_dir_in_use_is_one_line_naming_the_holder(tmp_path, capfd):
+    from tr_hydra.files import hold_dir
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    out.mkdir()
+    fd = hold_dir(out, "test")  # another run writing there (flock: a second open is refused, same process or not)
+    try:
+        code, _, err = _main(_prepare(src, out), capfd)
+    finally:
+        os.close(fd)
+    line = _one_line(err)
+    assert code == 2 and line.startswith(f"tr-prepare: error: prepare.out: {out} is in use by another run "
+                                          f"(pid {os.getpid()})"), line
+    assert list(out.iterdir()) == []  # nothing written
+    code, _, err = _main(_prepare(src, out), capfd)  # the lock gone: the same command works
+    assert code == 0 and (out / "index.json").is_file(), err
+
+
 def test_labels_changed_cut_short_or_unchecked_are_one_line_until_prepared_again(tmp_path):
     from tr_hydra.data.shards import load_shards
     src, out = _tiny(tmp_path), tmp_path / "out"
@@ -79,6 +96,101 @@ def test_labels_changed_cut_short_or_unchecked_are_one_line_until_prepared_again
         load_shards(out, log=lambda *_: None)
     _in_process(src, out)  # what the lines say to do: it keeps the shards and rewrites the tables and index
     assert load_shards(out, log=lambda *_: None)[0]["train"][0].tolist() == labels.tolist()
+
+
+def test_a_worker_killed_is_one_line_and_the_same_command_goes_on(tmp_path, monkeypatch, capfd):
+    """A worker SIGKILLed mid-shard (the OOM killer): the pool breaks, one line, exit 2, within
+    seconds (the alarm turns a hang into a failure); run again, it finishes."""
+    import tr_hydra.data.prepare as prep
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_folder(src, per_class=(4, 4, 4), size=8, fmt="JPEG")
+    encode, parent = prep.encode, os.getpid()
+
+    def dies_on_one(source, *a, **kw):  # in the forked workers only
+        if os.getpid() != parent and str(source).endswith(os.path.join("train", "dog", "001.jpg")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return encode(source, *a, **kw)
+
+    def hang(*_):
+        raise TimeoutError("tr-prepare still waits for a dead worker")
+
+    monkeypatch.setattr(prep, "encode", dies_on_one)
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)
+    try:
+        code, _, err = _main(_prepare(src, out, "prepare.shard_samples=2"), capfd)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    line = _one_line(err)
+    assert code == 2 and line == ("tr-prepare: error: prepare: a worker process died (killed by signal 9, SIGKILL: "
+                                  "out of memory?); the finished shards are kept: run the same command again to go on")
+    assert not (out / "index.json").exists() and not list(out.rglob("*.tmp"))
+    monkeypatch.setattr(prep, "encode", encode)
+    code, _, err = _main(_prepare(src, out, "prepare.shard_samples=2"), capfd)
+    assert code == 0, err
+    assert json.loads((out / "index.json").read_text())["splits"]["train"]["count"] == 12
+
+
+# prepare() in a process of its own whose workers stall on one file (a test-side encode)
+_STALLS = """
+import sys, time, types
+import tr_hydra.data.prepare as prep
+encode = prep.encode
+def stalls(source, *a, **kw):
+    if str(source).endswith("001.jpg"):
+        time.sleep(60)
+    return encode(source, *a, **kw)
+prep.encode = stalls
+prep.prepare(types.SimpleNamespace(name="imagefolder", root=sys.argv[1]), sys.argv[2],
+             prep.Settings(max_side=8, shard_samples=2), workers=2, skip_corrupt=False, log=lambda *_: None)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers in /proc")
+def test_a_tr_prepare_killed_leaves_no_worker_and_no_lock_behind(tmp_path):
+    """tr-prepare itself SIGKILLed (the OOM killer's pick) with its workers busy: they die with
+    it and none keeps prepare.out locked, so the same command goes on at once."""
+    import subprocess
+    import sys
+    import time
+    from tr_hydra.files import hold_dir
+    src, out = _tiny(tmp_path), tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", _STALLS, str(src), str(out)], env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 20
+        while not (out / "train" / ".shard-000000.tar.tmp").exists():  # a worker in cat/001.jpg
+            assert proc.poll() is None and time.monotonic() < deadline, "prepare never reached the stalling file"
+            time.sleep(0.02)
+        workers = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _ppid(d) == proc.pid]
+        assert len(workers) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [w for w in workers if _alive(w)]
+    for w in left:  # a regression: not left running after the test
+        os.kill(w, signal.SIGKILL)
+    assert not left, "workers outlived the killed tr-prepare"
+    os.close(hold_dir(out, "test"))  # nobody holds it
+    _in_process(src, out, shard_samples=2)  # and a run goes on
+    assert json.loads((out / "index.json").read_text())["splits"]["train"]["count"] == 6
+
+
+def _ppid(d: Path) -> int | None:
+    try:
+        return int(d.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def test_a_link_to_itself_or_to_nothing_is_an_undecodable_file(tmp_path, capfd):

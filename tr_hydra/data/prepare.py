@@ -10,7 +10,7 @@ sidecar whose checksum holds is finished, and a run started again keeps it. ``pr
 (the settings and the source, written first) makes a run refuse a dir prepared otherwise;
 ``index.json`` (written last) makes the dir readable by ``data=shards``: it holds the checksums
 of the shards and of ``<split>.npz`` (the labels), and the ``data`` settings the source was
-composed with (``shards.recorded_data``).
+composed with (``shards.recorded_data``). One run at a time writes a dir (a lock on it).
 
 A source image over ``MAX_PIXELS`` (PIL's own default limit, 89.5 megapixels: 268 MB decoded)
 is undecodable, as a damaged file is: its header is read, never its pixels."""
@@ -22,9 +22,13 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
+import sys
 import tarfile
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,7 +37,7 @@ import numpy as np
 from tr_hydra.data.index import SplitIndex, load_arrays, scan_imagefolder
 from tr_hydra.data.shards import FORMAT, INDEX, RECORDED, SPLITS, sample_key, sha256_file, shard_name
 from tr_hydra.errors import ConfigError, TrHydraError
-from tr_hydra.files import write_atomic
+from tr_hydra.files import hold_dir, write_atomic
 
 MANIFEST = "prepare.json"
 MAX_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS default, fixed here: a larger source is refused
@@ -198,6 +202,19 @@ _WORK: dict = {}
 
 
 def _init(work: dict) -> None:
+    """A worker's start. Forked, it holds a copy of the parent's lock on ``out``: closed, so that
+    a worker left behind by a killed tr-prepare cannot keep the dir locked; and on Linux it is
+    killed with its parent (PR_SET_PDEATHSIG) instead of waiting for work that never comes."""
+    if work.get("lock") is not None:
+        os.close(work["lock"])
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != work["parent"]:  # the parent died before that
+        os._exit(1)
     _WORK.update(work)
 
 
@@ -302,20 +319,50 @@ def check_out(out: Path, manifest: dict) -> None:
                           f"pick another prepare.out, or delete that one")
 
 
+def _hold(out: Path) -> int:
+    """An exclusive lock on ``out`` (made if need be, its parents too) before anything is
+    written: a second tr-prepare into the same dir stops at once, naming the holder's pid
+    (``DirInUse``), where two runs would delete each other's temporary files. Where the lock
+    cannot be taken, the dirs made here are removed; where another run holds it, the dir is
+    that run's (it opened it after this one made it) and is left to it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"prepare.out={out} is not a directory")
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return hold_dir(out, "prepare.out")  # DirInUse: another run holds it (not an OSError)
+    except OSError:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrupt: bool,
             log=print, progress=None) -> dict:
     """Write (or finish) the preparation of ``data`` (a data config, or the ``Source`` that
     ``open_source`` already made of it) in ``out``; returns what was done. ``progress(n)``:
-    called as images are done."""
+    called as images are done. ``out`` is locked while this runs (``_hold``)."""
     out = Path(out).resolve()
     source = data if isinstance(data, Source) else open_source(data)
+    lock = _hold(out)
+    try:
+        return _prepare(source, out, settings, workers, skip_corrupt, log, progress, lock)
+    finally:
+        os.close(lock)
+
+
+def _prepare(source: Source, out: Path, settings: Settings, workers: int, skip_corrupt: bool, log, progress,
+             lock: int) -> dict:
     manifest = {"format": FORMAT, "settings": asdict(settings), "source": source.describe,
                 "classes": source.classes}
     check_out(out, manifest)
-    for split in SPLITS:
-        (out / split).mkdir(parents=True, exist_ok=True)
-    if not (out / MANIFEST).is_file():
+    if not (out / MANIFEST).is_file():  # first, so that a dir with anything else in it is known as ours
         write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode(), what="prepare")
+    for split in SPLITS:
+        (out / split).mkdir(exist_ok=True)
     s = settings.shard_samples
     jobs = [(split, k, k * s, min((k + 1) * s, len(source.splits[split])))
             for split in SPLITS for k in range(math.ceil(len(source.splits[split]) / s))]
@@ -331,22 +378,12 @@ def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrup
     if sides:
         log(f"prepare: {len(sides)} of {len(jobs)} shards already written and checked; kept")
     t0, done_images = time.perf_counter(), sum(j[3] - j[2] for j in todo)
-    work = {"source": source, "settings": settings, "out": out, "skip_corrupt": skip_corrupt}
+    work = {"source": source, "settings": settings, "out": out, "skip_corrupt": skip_corrupt, "lock": lock,
+            "parent": os.getpid()}
     _drop_partial(out)  # what a killed run was writing
     try:
         if todo:
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(max(1, min(workers, len(todo))), initializer=_init, initargs=(work,)) as pool:
-                for job, side in zip(todo, pool.imap(_make_shard, todo)):
-                    if "corrupt" in side:
-                        name, why = side["corrupt"][0]
-                        raise ConfigError(f"prepare: cannot decode {name} ({why}); set prepare.skip_corrupt=true "
-                                          f"to skip such files (finished shards are kept: run again to go on)")
-                    for name, why in side["skipped"]:
-                        log(f"prepare: skipped {name}: {why}")
-                    sides[job[:2]] = side
-                    if progress:
-                        progress(job[3] - job[2])
+            _run(todo, work, workers, sides, log, progress)
     finally:
         _drop_partial(out)  # the shards stopped mid-write (an error, Ctrl-C): never read, not kept
     seconds = time.perf_counter() - t0
@@ -354,6 +391,55 @@ def prepare(data, out: str | Path, settings: Settings, workers: int, skip_corrup
     return _write_index(out, source, manifest, jobs, sides) | {
         "images_read": done_images, "images_written": done_images - skipped, "seconds": seconds, "workers": workers,
         "img_per_sec": done_images / seconds if seconds > 0 and done_images else None}
+
+
+def _run(todo: list, work: dict, workers: int, sides: dict, log, progress) -> None:
+    """The jobs on ``workers`` processes, their sidecars taken in order into ``sides``. A worker
+    that dies (the OOM killer's SIGKILL) breaks the pool: one line, not a wait for a result that
+    never comes. On any error the other workers are stopped, not waited for."""
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    if ctx.get_start_method() != "fork":
+        work = work | {"lock": None}  # a spawned worker inherits no descriptor
+    pool = ProcessPoolExecutor(max(1, min(workers, len(todo))), mp_context=ctx, initializer=_init, initargs=(work,))
+    procs, done, broken = [], False, False
+    try:
+        results = pool.map(_make_shard, todo)
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # to say how one died
+        for job, side in zip(todo, results):
+            if "corrupt" in side:
+                name, why = side["corrupt"][0]
+                raise ConfigError(f"prepare: cannot decode {name} ({why}); set prepare.skip_corrupt=true "
+                                  f"to skip such files (finished shards are kept: run again to go on)")
+            for name, why in side["skipped"]:
+                log(f"prepare: skipped {name}: {why}")
+            sides[job[:2]] = side
+            if progress:
+                progress(job[3] - job[2])
+        done = True
+    except BrokenProcessPool:
+        broken = True
+    finally:
+        if not done and not broken:
+            for p in procs:
+                p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    if broken:
+        for p in procs:
+            p.join(5)
+        raise ConfigError(f"prepare: a worker process died ({_died(procs)}); the finished shards are kept: "
+                          f"run the same command again to go on")
+
+
+def _died(procs) -> str:
+    """How a worker of a broken pool ended: the first exit that is not the pool's own SIGTERM."""
+    codes = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+    code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
+    if code is None:
+        return "it ended abruptly"
+    if code < 0:
+        sig = signal.Signals(-code)
+        return f"killed by signal {-code}, {sig.name}" + (": out of memory?" if sig == signal.SIGKILL else "")
+    return f"exit code {code}"
 
 
 def _write_index(out: Path, source: Source, manifest: dict, jobs: list, sides: dict) -> dict:
