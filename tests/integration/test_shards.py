@@ -172,6 +172,11 @@ def test_training_on_prepared_digits_matches_the_folder(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "shards"
     r = run("tr-prepare", "data=digits", f"data.cache_dir={cache}", f"prepare.out={out}", cwd=tmp_path, cache=cache)
     assert r.returncode == 0, r.stderr[-2000:]
+    from tr_hydra.data.shards import recorded_data
+    recorded = recorded_data(out)  # what data=digits composed to: DIGITS_AS_SHARDS, and digits' own size
+    assert recorded == {"num_classes": 10, "channels": 3, "image_size": 32, "mean": [0.0] * 3, "std": [255.0] * 3,
+                        "augment": True, "crop_scale": [0.6, 1.0], "crop_ratio": [0.8, 1.25], "flip": False,
+                        "val_crop": 1.0}, recorded
     common = ["trainer.epochs=3", "runtime.device=cpu", "runtime.deterministic=true", "trainer.progress=false"]
     runs = {}
     for name, data in (("folder", ["data=digits", f"data.cache_dir={cache}"]),

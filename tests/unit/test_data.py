@@ -178,6 +178,7 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, fault):
     ("shape", "x_train must be uint8 of shape"),
     ("labels", "y_train has labels outside [0, 3)"),
     ("label_len", "y_train must be integer of shape"),
+    ("objects", "holds an object array (key 'x_train'): write plain numeric arrays"),
 ])
 def test_bad_npz(tmp_path, case, needle):
     x = np.zeros((4, 8, 8, 3), np.uint8)
@@ -193,6 +194,8 @@ def test_bad_npz(tmp_path, case, needle):
         arrays["y_train"] = np.array([0, 1, 2, 3])
     elif case == "label_len":
         arrays["y_train"] = y[:3]
+    elif case == "objects":  # pickled by np.savez, refused by np.load(allow_pickle=False)
+        arrays["x_train"] = np.array([x[0], "text", None, 1], dtype=object)
     np.savez(tmp_path / "d.npz", **arrays)
     pc = folder_config(tmp_path, train=4, val=4)
     pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="arrays", root=None,

@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    from tr_hydra.config import schema
+    from tr_hydra.config.plan_config import refuse_added_keys
     from tr_hydra.data.prepare import open_source, prepare
     with user_errors("tr-prepare"):
         cfg = compose(argv)
+        refuse_added_keys(cfg, schema.Config)  # as tr-train: + adds only keys the schema declares
         settings, workers = _checked(cfg.prepare)
         source = open_source(cfg.data)  # scanned (and digested) once, for the bar's total and the work
     bar = _Progress(sum(len(s) for s in source.splits.values()))

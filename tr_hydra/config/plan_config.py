@@ -253,7 +253,7 @@ def resume_choice(value) -> str | None:
     return str(value)
 
 
-def _refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
+def refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
     """Keys added with ``+`` (Hydra adds them past the schema's struct check) that no option
     of ``schema_cls`` declares. A field of a dataclass type is a section, checked key by key;
     any other field (a free-form map typed ``Any`` such as ``runtime.inductor_options``, a
@@ -272,7 +272,7 @@ def _refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
         if dataclasses.is_dataclass(sub):
             child = node._get_node(key)
             if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-                _refuse_added_keys(child, type(sub), f"{prefix}{key}.")
+                refuse_added_keys(child, type(sub), f"{prefix}{key}.")
 
 
 def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
@@ -284,7 +284,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
 
     from tr_hydra.data.sizes import dataset_sizes
     if isinstance(cfg, DictConfig):
-        _refuse_added_keys(cfg, schema.Config)
+        refuse_added_keys(cfg, schema.Config)
         cfg = OmegaConf.to_object(cfg)
     model = _freeze(ModelSpec, cfg.model)
     opt = _freeze(OptimizerSpec, cfg.optimizer)

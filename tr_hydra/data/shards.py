@@ -11,10 +11,13 @@ resume at. The bytes of a sample are contiguous in its tar, so feeding them cost
 Layout of a prepared dir: ``index.json`` (written last: a dir without it is unfinished),
 ``<split>.npz`` (per sample: shard, byte offset, size, label, source name) and
 ``<split>/shard-000000.tar`` ... Every shard's SHA-256 is in index.json; a shard is checked once
-and then again whenever its size or modification time changes."""
+and then again whenever its size or modification time changes. The ``<split>.npz`` tables (the
+labels a run trains on) are checked against their SHA-256 in index.json each time they are read.
+index.json's ``data`` holds the data settings the source was composed with (``recorded_data``)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +30,9 @@ from tr_hydra.errors import ConfigError
 FORMAT = "tr_hydra-shards/1"
 INDEX = "index.json"
 SPLITS = ("train", "val")
+# what the data is, recorded from the source's composed ``data`` (not where or how it is read)
+RECORDED = ("num_classes", "channels", "image_size", "mean", "std", "augment", "crop_scale", "crop_ratio",
+            "flip", "val_crop")
 
 
 def shard_name(number: int) -> str:
@@ -64,6 +70,20 @@ def read_index(root: str | Path) -> dict:
         raise ConfigError(f"data.root: {path} is not a tr-prepare index (format "
                           f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT!r})")
     return index
+
+
+def recorded_data(root: str | Path) -> dict:
+    """The ``data.*`` settings (``RECORDED``: the number of classes, channels, native size,
+    normalisation and augmentation) that the source prepared in ``root`` was composed with, for
+    a ``data=shards`` run to take as its defaults; {} where there is none (no finished
+    preparation there, one written before this record was kept, a damaged index.json). Never
+    raises: the run's own checks report a bad dir."""
+    try:
+        index = json.loads((Path(root) / INDEX).read_text())
+        rec = index.get("data") if index.get("format") == FORMAT else None
+        return {k: rec[k] for k in RECORDED if k in rec} if isinstance(rec, dict) else {}
+    except Exception:  # noqa: BLE001 - anything unreadable is "no record"
+        return {}
 
 
 def split_counts(root: str | Path) -> tuple[int, int]:
@@ -154,6 +174,29 @@ def verify(root: Path, index: dict, log=print, stamps: Path | None = None) -> No
         pass
 
 
+def _checked_table(path: Path, want) -> bytes:
+    """The bytes of ``<split>.npz`` (the labels, where each sample lies), checked against its size
+    and SHA-256 in index.json: a table changed, cut short or from an index that has no checksum
+    of it is one line, never labels trained on unchecked. tr-prepare run again rewrites it."""
+    again = f"run tr-prepare again with prepare.out={path.parent} and the same settings (it keeps the shards " \
+            f"and rewrites {path.name})"
+    if not (isinstance(want, dict) and isinstance(want.get("sha256"), str) and isinstance(want.get("bytes"), int)):
+        raise ConfigError(f"data.root: {path.parent / INDEX} holds no checksum of {path.name} (written by an "
+                          f"older tr-prepare): {again}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data.root: {path} cannot be read ({e.strerror or type(e).__name__}): {again}") from None
+    if len(data) != want["bytes"]:
+        raise ConfigError(f"data.root: {path} has {len(data):,} bytes, its index says {want['bytes']:,}: it "
+                          f"changed after tr-prepare wrote it (cut short?); {again}")
+    have = hashlib.sha256(data).hexdigest()
+    if have != want["sha256"]:
+        raise ConfigError(f"data.root: {path} fails its SHA-256 check (index {want['sha256'][:12]}..., file "
+                          f"{have[:12]}...): it changed after tr-prepare wrote it; {again}")
+    return data
+
+
 def load_shards(root: str | Path, log=print):
     """({split: (labels, names, blob)}, class names) of a prepared dir, every shard checked:
     ``SplitIndex``'s labels, ``paths`` (names for messages) and ``blob`` (a sample's bytes)."""
@@ -165,7 +208,7 @@ def load_shards(root: str | Path, log=print):
         meta = index["splits"][split]
         path = root / f"{split}.npz"
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with np.load(io.BytesIO(_checked_table(path, meta.get("table"))), allow_pickle=False) as z:
                 table = {k: z[k] for k in ("shard", "offset", "size", "label", "number", "source")}
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"data.root: {path} cannot be read ({type(e).__name__}: {e}); "

@@ -47,6 +47,9 @@ def read_array(z, key: str, path):
     try:
         return z[key]
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith("Object arrays cannot be loaded"):  # numpy's words
+            raise ConfigError(f"data.path: {path} holds an object array (key {key!r}): write plain numeric "
+                              f"arrays (uint8 images, integer labels) with numpy.savez") from None
         raise ConfigError(f"data.path: array {key!r} of {path} cannot be read: the archive is "
                           f"truncated or damaged ({_why(e)})") from None
 
