@@ -131,23 +131,23 @@ def checkpoints_in(run_dir: Path) -> list[Path]:
 def newest_valid(run_dir: Path, log=print) -> Path | None:
     """The newest checkpoint that passes its checksum; broken ones are skipped with a note.
     None when the run dir has none; when it has some but every one is broken, a
-    ``CheckpointError`` (they are kept: starting afresh would overwrite them)."""
+    ``CheckpointError`` (they are kept: a run that started afresh there would replace them)."""
     found = checkpoints_in(run_dir)
     first = None
-    for p in found:
+    for i, p in enumerate(found):
         try:
             load(p)
             return p
         except CheckpointError as e:
             first = first or str(e).removeprefix("resume: ")
-            log(f"{e}; trying an older one")
+            log(f"{e}; trying an older one" if i + 1 < len(found) else str(e))
     if found:
         n = len(found)
         raise CheckpointError(
             f"resume=auto: {'the' if n == 1 else f'all {n}'} checkpoint{'s' if n > 1 else ''} in "
             f"{Path(run_dir) / 'checkpoints'} {'is' if n == 1 else 'are'} corrupt ({first}); "
             f"{'it is' if n == 1 else 'they are'} kept: move {'it' if n == 1 else 'them'} away, "
-            f"or start afresh here with resume=none (which replaces {'it' if n == 1 else 'them'})")
+            f"or train in another run dir (leave hydra.run.dir out for a new one)")
     return None
 
 
