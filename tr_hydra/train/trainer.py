@@ -3,7 +3,6 @@ validation, metrics and checkpoints."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,13 +11,12 @@ from pathlib import Path
 import torch
 
 from tr_hydra import startup
-from tr_hydra.config import objective
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train import health
-
+from tr_hydra.train import summary as sm
 
 
 def _jsonable(x):
@@ -302,56 +300,24 @@ class Trainer:
             res.peak_device_bytes = torch.cuda.max_memory_allocated(rt.device)
         res.final_path = str(self.save_final())
         if step == start_step and step > 0:  # a resumed run that was already complete
-            summary = self._summary_kept(history, step)
-            res.img_per_sec = summary.get("img_per_sec", 0.0)
-            res.peak_device_bytes, res.summary = summary.get("peak_device_bytes", 0), summary
-            self.write_metrics(history, summary)
+            kept = sm.kept(self.run_dir, history, step, rt.compiled.plan.total_bytes, self.pc.trainer.objective)
+            res.img_per_sec = kept.get("img_per_sec", 0.0)
+            res.peak_device_bytes, res.summary = kept.get("peak_device_bytes", 0), kept
+            self.write_metrics(history, kept)
             tel.close()
             self.log(f"nothing to train: the run was complete at step {step}; its summary is kept "
-                     f"(best val top1 {_top1(summary['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
+                     f"(best val top1 {sm.top1(kept['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
             return res
-        vals = [r["val"]["top1"] for r in history if "val" in r]
-        summary = {"best_val_top1": max(vals) if vals else float("nan"),
-                   "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
-                   "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
-                   "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
-                   "steps": step}
-        summary.update(self._objective(history))
+        made = sm.made(history, objective_name=self.pc.trainer.objective, images=images, train_seconds=train_time,
+                       seconds=time.perf_counter() - t_run, arena_bytes=res.arena_bytes,
+                       peak_device_bytes=res.peak_device_bytes, steps=step)
         if res.start_wait_seconds:
-            summary["start_wait_seconds"] = res.start_wait_seconds
-        res.summary = summary
-        self.write_metrics(history, summary)
-        tel.close(_jsonable(self.pc.to_dict()), summary)
-        self.log(f"summary: best val top1 {_top1(summary['best_val_top1'])}  total {summary['total_seconds']:.1f}s  "
-                 f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
-                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB"
-                 + (f"  objective {summary['objective']} {summary['objective_value']:.4f}"
-                    if summary["objective"] != "val/top1" else ""))
+            made["start_wait_seconds"] = res.start_wait_seconds
+        res.summary = made
+        self.write_metrics(history, made)
+        tel.close(_jsonable(self.pc.to_dict()), made)
+        self.log(sm.line(made))
         return res
-
-    def _objective(self, history: list) -> dict:
-        """``trainer.objective`` and its best value over the epochs (NaN without validation)."""
-        name = self.pc.trainer.objective
-        return {"objective": name, "objective_value": objective.best(history, name)}
-
-    def _summary_kept(self, history: list, step: int) -> dict:
-        """The summary of a run resumed after its last step: the one metrics.json holds for
-        that step, or, without one, what the epochs' records say (their training time and
-        throughput; this process trained nothing)."""
-        try:
-            old = json.loads((self.run_dir / "metrics.json").read_text()).get("summary") or {}
-        except (OSError, ValueError):
-            old = {}
-        if old.get("steps") == step:
-            return old
-        vals = [r["val"]["top1"] for r in history if "val" in r]
-        n = sum(r["train"]["count"] for r in history)
-        secs = sum(r["train"]["count"] / r["img_per_sec"] for r in history if r.get("img_per_sec"))
-        return {"best_val_top1": max(vals) if vals else float("nan"),
-                "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
-                "img_per_sec": n / secs if secs else 0.0, "total_seconds": secs,
-                "arena_bytes": self.rt.compiled.plan.total_bytes, "peak_device_bytes": 0, "steps": step,
-                "from_history": True, **self._objective(history)}
 
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
@@ -456,7 +422,3 @@ def format_epoch(rec: dict) -> str:
         s += f"  skipped {int(rec['skipped'])}"
     return s
 
-
-def _top1(v: float) -> str:
-    """A top-1 figure for the log; n/a where no validation ran (NaN)."""
-    return "n/a" if math.isnan(v) else f"{v:.2f}"
