@@ -25,6 +25,7 @@ from tr_hydra.errors import TrHydraError, disk_error
 from tr_hydra.files import write_atomic  # the trainer writes metrics.json through it too (ck.write_atomic)
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.regions import ALL_REGIONS, Region
+from tr_hydra.train import tally
 
 MAGIC = b"TRHCKPT1"
 NAME = re.compile(r"^ckpt_e(\d{4})_s(\d{8})\.pt$")
@@ -160,7 +161,7 @@ def malformed(state) -> str | None:
         return "'rng' holds a cuda state that is not a list of tensors"
     if "data" in state["extra"] and not isinstance(state["extra"]["data"], list):
         return "'extra' holds input state ('data') that is not a list"
-    return None
+    return tally.check_extra(state["extra"])
 
 
 def check_compatible(ckpt: dict, arena: ArenaKeeper, fingerprint: str, describe: dict, path) -> None:

@@ -15,7 +15,7 @@ from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 from tr_hydra.train import checkpoint as ck
-from tr_hydra.train import health
+from tr_hydra.train import health, tally
 from tr_hydra.train import summary as sm
 
 
@@ -78,6 +78,13 @@ class Trainer:
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
         # resumed follows the same learning-rate curve as one that never stopped)
         self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
+        # what the checkpoints carry of the host's counts (``tally``): the resumed checkpoint's
+        # epoch so far and run so far (None: a checkpoint older than them), this process's images
+        # and train seconds, the epoch in progress and the last epoch cut short by max_steps
+        self._epoch_before: tally.EpochTally | None = None
+        self._run_before: tally.RunTally | None = tally.RunTally()
+        self._images, self._train_time, self._t_run = 0, 0.0, None
+        self._running, self._cut_short = None, None
 
     # the runtime's parts a run is looked at through (tests, tr-train's first line)
     model = property(lambda self: self.rt.model)
@@ -170,8 +177,11 @@ class Trainer:
         epoch = 0
         while epoch < pc.trainer.epochs and self.steps_before(epoch + 1) <= step:
             epoch += 1
+        self._epoch_before, self._run_before = tally.from_extra(state["extra"])
+        if self._epoch_before is not None and (self._epoch_before.epoch, self._epoch_before.step) != (epoch, step):
+            self._epoch_before = None  # (not the epoch this resume goes on with)
         self.log(f"resumed from {path} at epoch {epoch + 1}, step {step}")
-        return epoch, step, list(state.get("history", []))
+        return epoch, step, list(state["history"])
 
     def save_checkpoint(self, epoch: int, step: int, history: list) -> Path | None:
         from tr_hydra.runtime.distributed import all_gather, broadcast
@@ -187,7 +197,8 @@ class Trainer:
                 path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", rt.arena,
                                position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
                                config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
-                               history=_jsonable(history), extra={"data": data} if any(data) else None)
+                               history=_jsonable(history),
+                               extra=self._tallies(step) | ({"data": data} if any(data) else {}))
                 ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
             except DiskError as e:
                 why = str(e)
@@ -195,6 +206,19 @@ class Trainer:
         if why is not None:
             raise DiskError(why)
         return path
+
+    def _tallies(self, step: int) -> dict:
+        """A checkpoint's tallies at ``step``: the epoch it stops inside (in progress, or cut
+        short by max_steps), and the whole run's images and seconds."""
+        images, secs, epoch = self._images, self._train_time, self._cut_short
+        if self._running is not None:  # a stop inside the epoch in progress
+            so_far, sched, step0, t0 = self._running
+            n, dt = sum(s[2] for s in sched[:step - step0]), time.perf_counter() - t0
+            images, secs, epoch = images + n, secs + dt, so_far.plus(n, dt, step)
+        wall = time.perf_counter() - self._t_run if self._t_run is not None else 0.0
+        # (after a resume from a checkpoint without them, the run's earlier part is not known)
+        run = self._run_before.plus(images, secs, wall) if self._run_before is not None else None
+        return tally.to_extra(epoch, run)
 
     def _input_state(self):
         """The source's state for a checkpoint; a source that cannot give it (a pipeline broken by
@@ -270,7 +294,8 @@ class Trainer:
         from tr_hydra.runtime.guards import PreemptionGuard
         rt = self.rt
         tel.start(step)
-        t_run = time.perf_counter()
+        t_run = self._t_run = time.perf_counter()
+        self._images, self._train_time = 0, 0.0  # (this process's, in this fit)
         rt.model.train()
         with PreemptionGuard() as guard:
             try:
@@ -295,6 +320,8 @@ class Trainer:
                 res.epochs, res.steps, res.preempted = history, step, True
                 return res
         res.epochs, res.steps = history, step
+        before = self._run_before or tally.RunTally()  # (the run's earlier processes)
+        images, train_time = images + before.images, train_time + before.train_seconds
         res.img_per_sec = images / train_time if train_time else 0.0
         if rt.device.type == "cuda":
             res.peak_device_bytes = torch.cuda.max_memory_allocated(rt.device)
@@ -309,8 +336,9 @@ class Trainer:
                      f"(best val top1 {sm.top1(kept['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
             return res
         made = sm.made(history, objective_name=self.pc.trainer.objective, images=images, train_seconds=train_time,
-                       seconds=time.perf_counter() - t_run, arena_bytes=res.arena_bytes,
-                       peak_device_bytes=res.peak_device_bytes, steps=step)
+                       seconds=time.perf_counter() - t_run + before.seconds, arena_bytes=res.arena_bytes,
+                       peak_device_bytes=res.peak_device_bytes, steps=step, resumed_at_step=start_step,
+                       since_resume=self._run_before is None)
         if res.start_wait_seconds:
             made["start_wait_seconds"] = res.start_wait_seconds
         res.summary = made
@@ -321,7 +349,6 @@ class Trainer:
 
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
-        images, train_time = 0, 0.0
         for epoch in range(start_epoch, pc.trainer.epochs):
             sched = epoch_schedule(pc, epoch)[step - self.steps_before(epoch):]  # skip what is done
             if pc.trainer.max_steps:
@@ -330,7 +357,8 @@ class Trainer:
                 break
             rt.sync()
             t0 = time.perf_counter()
-            totals = {"loss": 0.0, "top1": 0.0, "top5": 0.0, "count": 0.0}
+            so_far = self._epoch_so_far(epoch, step, history)
+            self._running, self._cut_short = (so_far, sched, step, t0), None
             bar = _progress(len(sched), f"epoch {epoch + 1}/{pc.trainer.epochs}",
                             pc.trainer.progress and self._tty)
             mark = {"t": t0, "k": -1, "wait": 0.0}
@@ -346,9 +374,7 @@ class Trainer:
                     now = time.perf_counter()
                     n_steps = k - mark["k"]
                     n_img = sum(s[2] for s in sched[mark["k"] + 1:k + 1])
-                    for key in ("loss", "top1", "top5"):
-                        totals[key] += m[key] * m["count"]
-                    totals["count"] += m["count"]
+                    so_far.add(m)
                     rate = n_img / max(now - mark["t"], 1e-9)
                     tel.train(_step0 + k + 1, m, lr=ex.scalar("lr"), img_per_sec=rate,
                               step_time_ms=1000 * (now - mark["t"]) / n_steps,
@@ -368,12 +394,14 @@ class Trainer:
             rt.sync()
             dt = time.perf_counter() - t0
             n_img = sum(s[2] for s in sched)
-            step, images, train_time = step + len(sched), images + n_img, train_time + dt
-            n = max(totals["count"], 1.0)
-            train = {k: totals[k] / n for k in ("loss", "top1", "top5")} | {"count": totals["count"]}
-            rec = {"epoch": epoch + 1, "step": step, "train": train,
-                   "img_per_sec": n_img / dt, "lr": ex.scalar("lr")}
+            step, self._images, self._train_time = step + len(sched), self._images + n_img, self._train_time + dt
+            so_far = so_far.plus(n_img, dt, step)
+            rec = {"epoch": epoch + 1, "step": step, "train": so_far.train(),
+                   "img_per_sec": so_far.images / so_far.seconds, "lr": ex.scalar("lr")}
+            if so_far.from_step:
+                rec["train_from_step"] = so_far.from_step
             complete = step == self.steps_before(epoch + 1)
+            self._running, self._cut_short = None, None if complete else so_far
             if complete and pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
                 ex.sema_switch()
             if complete and ((epoch + 1) % pc.trainer.val_every == 0 or epoch + 1 == pc.trainer.epochs):
@@ -389,7 +417,23 @@ class Trainer:
             if pc.trainer.checkpoint_every and ((epoch + 1) % pc.trainer.checkpoint_every == 0 or last):
                 self.save_checkpoint(epoch + 1 if complete else epoch, step, history)
             self.write_metrics(history)
-        return step, images, train_time
+        return step, self._images, self._train_time
+
+    def _epoch_so_far(self, epoch: int, step: int, history: list) -> tally.EpochTally:
+        """The tally ``epoch`` starts from at ``step``: none at its start; resumed inside it, the
+        checkpoint's, whose epoch record (written where max_steps cut the epoch short) this
+        epoch's record replaces; without one (an older checkpoint), a fresh tally marked with
+        the step its train metrics start from."""
+        if step == self.steps_before(epoch):
+            return tally.EpochTally(epoch)
+        before, self._epoch_before = self._epoch_before, None
+        if before is None:
+            self.log(f"resume: the checkpoint has no tally of epoch {epoch + 1} before step {step}; "
+                     f"that epoch's train metrics cover steps {step + 1} on")
+            return tally.EpochTally(epoch, from_step=step)
+        if history and (history[-1]["epoch"], history[-1]["step"]) == (epoch + 1, step):
+            history.pop()
+        return before
 
     def _should_stop(self, guard, at_log: bool) -> bool:
         """A preemption signal stops at a step boundary; with several ranks, all ranks agree
