@@ -135,10 +135,13 @@ def test_a_stop_by_max_steps_inside_an_epoch_resumes_to_the_epochs_of_an_unbroke
     assert "img/s (the whole run, resumed at step 4)" in sm.line(s)
 
 
-@pytest.mark.parametrize("at, kept", [(5, ["ckpt_e0001_s00000005.pt", "ckpt_e0001_s00000003.pt"])])
+@pytest.mark.parametrize("at, kept", [(5, ["ckpt_e0001_s00000005.pt", "ckpt_e0001_s00000003.pt"]),
+                                      (3, ["ckpt_e0000_s00000003.pt"]),
+                                      (6, ["ckpt_e0001_s00000006.pt", "ckpt_e0001_s00000003.pt"])])
 def test_a_preemption_inside_an_epoch_resumes_to_the_epochs_of_an_unbroken_run(tmp_path, monkeypatch, at, kept):
     """Stopped as a signal stops it (after a step, before its read), at step 5 (epoch 2's second
-    step: step 4 read into the host's tally, step 5 still in the device's accumulator), then
+    step: step 4 read into the host's tally, step 5 still in the device's accumulator), or at
+    step 3 or 6 (an epoch's last, before its record and its validation; 6: the run's last), then
     resumed."""
     pc = _det(small_config(train_size=96, batch=32, trainer=TrainerSpec(epochs=2, log_every=1)))
     Trainer(pc, tmp_path / "a", log=lambda *_: None).fit()

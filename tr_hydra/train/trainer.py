@@ -84,7 +84,7 @@ class Trainer:
         self._epoch_before: tally.EpochTally | None = None
         self._run_before: tally.RunTally | None = tally.RunTally()
         self._images, self._train_time, self._t_run = 0, 0.0, None
-        self._running, self._cut_short = None, None
+        self._running, self._cut_short, self._recorded = None, None, 0
 
     # the runtime's parts a run is looked at through (tests, tr-train's first line)
     model = property(lambda self: self.rt.model)
@@ -178,6 +178,8 @@ class Trainer:
         while epoch < pc.trainer.epochs and self.steps_before(epoch + 1) <= step:
             epoch += 1
         self._epoch_before, self._run_before = tally.from_extra(state["extra"])
+        if self._epoch_before is not None and self._epoch_before.epoch == epoch - 1:
+            epoch -= 1  # stopped after the epoch's last step, before its record: that record is next
         if self._epoch_before is not None and (self._epoch_before.epoch, self._epoch_before.step) != (epoch, step):
             self._epoch_before = None  # (not the epoch this resume goes on with)
         self.log(f"resumed from {path} at epoch {epoch + 1}, step {step}")
@@ -295,7 +297,7 @@ class Trainer:
         rt = self.rt
         tel.start(step)
         t_run = self._t_run = time.perf_counter()
-        self._images, self._train_time = 0, 0.0  # (this process's, in this fit)
+        self._images, self._train_time, self._recorded = 0, 0.0, 0  # (this process's, in this fit)
         rt.model.train()
         with PreemptionGuard() as guard:
             try:
@@ -326,7 +328,7 @@ class Trainer:
         if rt.device.type == "cuda":
             res.peak_device_bytes = torch.cuda.max_memory_allocated(rt.device)
         res.final_path = str(self.save_final())
-        if step == start_step and step > 0:  # a resumed run that was already complete
+        if step == start_step and step > 0 and not self._recorded:  # a resumed run that was already complete
             kept = sm.kept(self.run_dir, history, step, rt.compiled.plan.total_bytes, self.pc.trainer.objective)
             res.img_per_sec = kept.get("img_per_sec", 0.0)
             res.peak_device_bytes, res.summary = kept.get("peak_device_bytes", 0), kept
@@ -353,7 +355,8 @@ class Trainer:
             sched = epoch_schedule(pc, epoch)[step - self.steps_before(epoch):]  # skip what is done
             if pc.trainer.max_steps:
                 sched = sched[:max(pc.trainer.max_steps - step, 0)]
-            if not sched:
+            done = self._epoch_before is not None and step == self.steps_before(epoch + 1)
+            if not sched and not done:  # (done: resumed after the epoch's last step, before its record)
                 break
             rt.sync()
             t0 = time.perf_counter()
@@ -389,6 +392,8 @@ class Trainer:
                     except Exception as e:
                         raise _Stop(_step0 + k + 1, _epoch, error=e) from None
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
+            if not sched:
+                so_far.add(ex.read_metrics("train"))  # (the samples of its steps since the last read)
             if bar:
                 bar.close()
             rt.sync()
@@ -412,6 +417,7 @@ class Trainer:
             rec["nonfinite"] = ex.scalar("nonfinite")
             rec["skipped"] = ex.scalar("skipped")
             history.append(rec)
+            self._recorded += 1
             self.log(format_epoch(rec))
             last = epoch + 1 == pc.trainer.epochs or (pc.trainer.max_steps and step >= pc.trainer.max_steps)
             if pc.trainer.checkpoint_every and ((epoch + 1) % pc.trainer.checkpoint_every == 0 or last):
