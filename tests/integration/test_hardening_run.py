@@ -275,11 +275,16 @@ def test_every_checkpoint_corrupt_is_refused_and_kept_unless_resume_none(tmp_pat
     for p in found:
         p.write_bytes(p.read_bytes()[:1000])
     cut = {p: p.read_bytes() for p in found}
+    said = []
     with pytest.raises(ck.CheckpointError) as e:
-        Trainer(dataclasses.replace(pc, resume="auto"), tmp_path, log=lambda *_: None).fit()
+        Trainer(dataclasses.replace(pc, resume="auto"), tmp_path, log=said.append).fit()
     msg = str(e.value)
     assert msg.startswith(f"resume=auto: all 2 checkpoints in {tmp_path / 'checkpoints'} are corrupt (")
-    assert "they are kept" in msg and "resume=none" in msg and "\n" not in msg
+    assert msg.endswith("; they are kept: move them away, or train in another run dir (leave hydra.run.dir "
+                        "out for a new one)") and "resume=none" not in msg and "\n" not in msg, msg
+    # an older one is tried only where there is one
+    notes = [s for s in said if "checksum mismatch" in s]
+    assert [s.endswith("; trying an older one") for s in notes] == [True, False], notes
     assert {p: p.read_bytes() for p in ck.checkpoints_in(tmp_path)} == cut
     res = Trainer(dataclasses.replace(pc, resume="none"), tmp_path, log=lambda *_: None).fit()  # afresh
     assert res.steps == 4 and all(ck.load(p) for p in ck.checkpoints_in(tmp_path))

@@ -2,7 +2,10 @@
 
 File layout: 8-byte magic, 32-byte SHA-256 of the payload, payload (``torch.save`` of plain
 tensors, numbers and strings). A truncated or altered file fails the checksum before anything is
-deserialised, and loading uses ``weights_only=True``: no code runs. Files are written to a
+deserialised, and loading uses ``weights_only=True``: no code runs. A payload that passes its
+checksum but that loading refuses (a crafted pickle), or that lacks a key or holds one of another
+type, is a ``CheckpointError`` naming the file and what is wrong, as a corrupt file is (so
+``resume=auto`` takes an older one). Files are written to a
 temporary name, fsynced and renamed, so a crash leaves the previous checkpoint intact; a write
 that fails (read-only file system, full disk) removes its temporary file and raises a
 ``DiskError`` naming the file and the cause.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from tr_hydra.errors import TrHydraError, disk_error
 from tr_hydra.files import write_atomic  # the trainer writes metrics.json through it too (ck.write_atomic)
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.regions import ALL_REGIONS, Region
+from tr_hydra.train import tally
 
 MAGIC = b"TRHCKPT1"
 NAME = re.compile(r"^ckpt_e(\d{4})_s(\d{8})\.pt$")
@@ -90,7 +95,73 @@ def load(path: str | Path) -> dict:
     digest, data = raw[8:40], raw[40:]
     if hashlib.sha256(data).digest() != digest:
         raise CheckpointError(f"resume: {path} is truncated or corrupt (checksum mismatch)")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():  # (a payload in torch's legacy format warns of its protocol)
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a crafted payload fails in many ways (unpickling, struct, EOF, codecs...)
+        raise CheckpointError(f"resume: {path} holds a payload that torch.load(weights_only=True) "
+                              f"refuses ({_load_error(e)})") from None
+    why = malformed(state)
+    if why:
+        raise CheckpointError(f"resume: {path} is not a whole tr_hydra checkpoint ({why})")
+    return state
+
+
+def _load_error(e: Exception) -> str:
+    """What torch's loader says, without its advice to load with ``weights_only=False``: the first
+    sentence of the unpickler's own message."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    elif text.startswith("Weights only load failed."):
+        head, _, rest = text.partition("\n")
+        text = rest if "weights_only" in head else head.removeprefix("Weights only load failed.")
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line.split(". ")[0].removesuffix(".") or type(e).__name__
+
+
+# the payload's keys and their types, as ``save`` writes them
+_KEYS = {"format": int, "regions": dict, "region_sizes": dict, "position": dict, "fingerprint": str,
+         "describe": dict, "config": dict, "history": list, "rng": dict, "extra": dict}
+
+
+def malformed(state) -> str | None:
+    """What a loaded payload lacks, or holds of another type, for ``save``'s structure."""
+    def kind(v):
+        return type(v).__name__
+    if not isinstance(state, dict):
+        return f"{'an' if kind(state)[0] in 'aeiou' else 'a'} {kind(state)}, not a dict"
+    for key, want in _KEYS.items():
+        if key not in state:
+            return f"no {key!r}"
+        if not isinstance(state[key], want) or isinstance(state[key], bool):
+            return f"{key!r} is {kind(state[key])}, not {want.__name__}"
+    if state["format"] != 1:
+        return f"format {state['format']}; this tr_hydra reads format 1"
+    for name, t in state["regions"].items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+            return f"region {name!r} is not a 1-D uint8 tensor"
+    if not all(isinstance(v, int) for v in state["region_sizes"].values()):
+        return "'region_sizes' holds a value that is not an int"
+    for key in ("epoch", "step"):
+        v = state["position"].get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"position {key!r} is {'missing' if v is None else repr(v)}, not a count"
+    for rec in state["history"]:
+        if not (isinstance(rec, dict) and isinstance(rec.get("epoch"), int) and isinstance(rec.get("step"), int)
+                and isinstance(rec.get("train"), dict) and isinstance(rec["train"].get("count"), (int, float))):
+            return "a 'history' record without its epoch, step and train metrics"
+    rng = state["rng"]
+    if not isinstance(rng.get("torch"), torch.Tensor) or rng["torch"].dtype != torch.uint8:
+        return "'rng' has no torch generator state (a uint8 tensor)"
+    if "cuda" in rng and not (isinstance(rng["cuda"], list) and all(isinstance(t, torch.Tensor) for t in rng["cuda"])):
+        return "'rng' holds a cuda state that is not a list of tensors"
+    if "data" in state["extra"] and not isinstance(state["extra"]["data"], list):
+        return "'extra' holds input state ('data') that is not a list"
+    return tally.check_extra(state["extra"])
 
 
 def check_compatible(ckpt: dict, arena: ArenaKeeper, fingerprint: str, describe: dict, path) -> None:
@@ -129,25 +200,26 @@ def checkpoints_in(run_dir: Path) -> list[Path]:
 
 
 def newest_valid(run_dir: Path, log=print) -> Path | None:
-    """The newest checkpoint that passes its checksum; broken ones are skipped with a note.
+    """The newest checkpoint that loads (its checksum, its payload and its structure); broken
+    ones are skipped with a note.
     None when the run dir has none; when it has some but every one is broken, a
-    ``CheckpointError`` (they are kept: starting afresh would overwrite them)."""
+    ``CheckpointError`` (they are kept: a run that started afresh there would replace them)."""
     found = checkpoints_in(run_dir)
     first = None
-    for p in found:
+    for i, p in enumerate(found):
         try:
             load(p)
             return p
         except CheckpointError as e:
             first = first or str(e).removeprefix("resume: ")
-            log(f"{e}; trying an older one")
+            log(f"{e}; trying an older one" if i + 1 < len(found) else str(e))
     if found:
         n = len(found)
         raise CheckpointError(
             f"resume=auto: {'the' if n == 1 else f'all {n}'} checkpoint{'s' if n > 1 else ''} in "
             f"{Path(run_dir) / 'checkpoints'} {'is' if n == 1 else 'are'} corrupt ({first}); "
             f"{'it is' if n == 1 else 'they are'} kept: move {'it' if n == 1 else 'them'} away, "
-            f"or start afresh here with resume=none (which replaces {'it' if n == 1 else 'them'})")
+            f"or train in another run dir (leave hydra.run.dir out for a new one)")
     return None
 
 

@@ -3,7 +3,6 @@ validation, metrics and checkpoints."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,13 +11,12 @@ from pathlib import Path
 import torch
 
 from tr_hydra import startup
-from tr_hydra.config import objective
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
 from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
 from tr_hydra.train import checkpoint as ck
-from tr_hydra.train import health
-
+from tr_hydra.train import health, tally
+from tr_hydra.train import summary as sm
 
 
 def _jsonable(x):
@@ -75,6 +73,13 @@ class Trainer:
         # the schedule follows trainer.epochs; max_steps only stops early (so a run stopped and
         # resumed follows the same learning-rate curve as one that never stopped)
         self.total_steps = sum(len(epoch_schedule(pc, e)) for e in range(pc.trainer.epochs))
+        # what the checkpoints carry of the host's counts (``tally``): the resumed checkpoint's
+        # epoch so far and run so far (None: a checkpoint older than them), this process's images
+        # and train seconds, the epoch in progress and the last epoch cut short by max_steps
+        self._epoch_before: tally.EpochTally | None = None
+        self._run_before: tally.RunTally | None = tally.RunTally()
+        self._images, self._train_time, self._t_run = 0, 0.0, None
+        self._running, self._cut_short, self._recorded = None, None, 0
 
     # the runtime's parts a run is looked at through (tests, tr-train's first line)
     model = property(lambda self: self.rt.model)
@@ -167,8 +172,13 @@ class Trainer:
         epoch = 0
         while epoch < pc.trainer.epochs and self.steps_before(epoch + 1) <= step:
             epoch += 1
+        self._epoch_before, self._run_before = tally.from_extra(state["extra"])
+        if self._epoch_before is not None and self._epoch_before.epoch == epoch - 1:
+            epoch -= 1  # stopped after the epoch's last step, before its record: that record is next
+        if self._epoch_before is not None and (self._epoch_before.epoch, self._epoch_before.step) != (epoch, step):
+            self._epoch_before = None  # (not the epoch this resume goes on with)
         self.log(f"resumed from {path} at epoch {epoch + 1}, step {step}")
-        return epoch, step, list(state.get("history", []))
+        return epoch, step, list(state["history"])
 
     def save_checkpoint(self, epoch: int, step: int, history: list) -> Path | None:
         from tr_hydra.runtime.distributed import all_gather, broadcast
@@ -184,7 +194,8 @@ class Trainer:
                 path = ck.save(d / f"ckpt_e{epoch:04d}_s{step:08d}.pt", rt.arena,
                                position=ck.Position(epoch, step), fingerprint=self.pc.fingerprint(),
                                config=_jsonable(self.pc.to_dict()), describe=self.pc.describe(),
-                               history=_jsonable(history), extra={"data": data} if any(data) else None)
+                               history=_jsonable(history),
+                               extra=self._tallies(step) | ({"data": data} if any(data) else {}))
                 ck.prune(self.run_dir, self.pc.trainer.keep_checkpoints)
             except DiskError as e:
                 why = str(e)
@@ -192,6 +203,19 @@ class Trainer:
         if why is not None:
             raise DiskError(why)
         return path
+
+    def _tallies(self, step: int) -> dict:
+        """A checkpoint's tallies at ``step``: the epoch it stops inside (in progress, or cut
+        short by max_steps), and the whole run's images and seconds."""
+        images, secs, epoch = self._images, self._train_time, self._cut_short
+        if self._running is not None:  # a stop inside the epoch in progress
+            so_far, sched, step0, t0 = self._running
+            n, dt = sum(s[2] for s in sched[:step - step0]), time.perf_counter() - t0
+            images, secs, epoch = images + n, secs + dt, so_far.plus(n, dt, step)
+        wall = time.perf_counter() - self._t_run if self._t_run is not None else 0.0
+        # (after a resume from a checkpoint without them, the run's earlier part is not known)
+        run = self._run_before.plus(images, secs, wall) if self._run_before is not None else None
+        return tally.to_extra(epoch, run)
 
     def _input_state(self):
         """The source's state for a checkpoint; a source that cannot give it (a pipeline broken by
@@ -267,7 +291,8 @@ class Trainer:
         from tr_hydra.runtime.guards import PreemptionGuard
         rt = self.rt
         tel.start(step)
-        t_run = time.perf_counter()
+        t_run = self._t_run = time.perf_counter()
+        self._images, self._train_time, self._recorded = 0, 0.0, 0  # (this process's, in this fit)
         rt.model.train()
         with PreemptionGuard() as guard:
             try:
@@ -292,74 +317,46 @@ class Trainer:
                 res.epochs, res.steps, res.preempted = history, step, True
                 return res
         res.epochs, res.steps = history, step
+        before = self._run_before or tally.RunTally()  # (the run's earlier processes)
+        images, train_time = images + before.images, train_time + before.train_seconds
         res.img_per_sec = images / train_time if train_time else 0.0
         if rt.device.type == "cuda":
             res.peak_device_bytes = torch.cuda.max_memory_allocated(rt.device)
         res.final_path = str(self.save_final())
-        if step == start_step and step > 0:  # a resumed run that was already complete
-            summary = self._summary_kept(history, step)
-            res.img_per_sec = summary.get("img_per_sec", 0.0)
-            res.peak_device_bytes, res.summary = summary.get("peak_device_bytes", 0), summary
-            self.write_metrics(history, summary)
+        if step == start_step and step > 0 and not self._recorded:  # a resumed run that was already complete
+            kept = sm.kept(self.run_dir, history, step, rt.compiled.plan.total_bytes, self.pc.trainer.objective)
+            res.img_per_sec = kept.get("img_per_sec", 0.0)
+            res.peak_device_bytes, res.summary = kept.get("peak_device_bytes", 0), kept
+            self.write_metrics(history, kept)
             tel.close()
             self.log(f"nothing to train: the run was complete at step {step}; its summary is kept "
-                     f"(best val top1 {_top1(summary['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
+                     f"(best val top1 {sm.top1(kept['best_val_top1'])}, {res.img_per_sec:,.1f} img/s)")
             return res
-        vals = [r["val"]["top1"] for r in history if "val" in r]
-        summary = {"best_val_top1": max(vals) if vals else float("nan"),
-                   "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
-                   "img_per_sec": res.img_per_sec, "total_seconds": time.perf_counter() - t_run,
-                   "arena_bytes": res.arena_bytes, "peak_device_bytes": res.peak_device_bytes,
-                   "steps": step}
-        summary.update(self._objective(history))
+        made = sm.made(history, objective_name=self.pc.trainer.objective, images=images, train_seconds=train_time,
+                       seconds=time.perf_counter() - t_run + before.seconds, arena_bytes=res.arena_bytes,
+                       peak_device_bytes=res.peak_device_bytes, steps=step, resumed_at_step=start_step,
+                       since_resume=self._run_before is None)
         if res.start_wait_seconds:
-            summary["start_wait_seconds"] = res.start_wait_seconds
-        res.summary = summary
-        self.write_metrics(history, summary)
-        tel.close(_jsonable(self.pc.to_dict()), summary)
-        self.log(f"summary: best val top1 {_top1(summary['best_val_top1'])}  total {summary['total_seconds']:.1f}s  "
-                 f"{res.img_per_sec:,.1f} img/s  arena {res.arena_bytes:,} bytes  "
-                 f"peak device memory {res.peak_device_bytes / 2**20:,.1f} MiB"
-                 + (f"  objective {summary['objective']} {summary['objective_value']:.4f}"
-                    if summary["objective"] != "val/top1" else ""))
+            made["start_wait_seconds"] = res.start_wait_seconds
+        res.summary = made
+        self.write_metrics(history, made)
+        tel.close(_jsonable(self.pc.to_dict()), made)
+        self.log(sm.line(made))
         return res
-
-    def _objective(self, history: list) -> dict:
-        """``trainer.objective`` and its best value over the epochs (NaN without validation)."""
-        name = self.pc.trainer.objective
-        return {"objective": name, "objective_value": objective.best(history, name)}
-
-    def _summary_kept(self, history: list, step: int) -> dict:
-        """The summary of a run resumed after its last step: the one metrics.json holds for
-        that step, or, without one, what the epochs' records say (their training time and
-        throughput; this process trained nothing)."""
-        try:
-            old = json.loads((self.run_dir / "metrics.json").read_text()).get("summary") or {}
-        except (OSError, ValueError):
-            old = {}
-        if old.get("steps") == step:
-            return old
-        vals = [r["val"]["top1"] for r in history if "val" in r]
-        n = sum(r["train"]["count"] for r in history)
-        secs = sum(r["train"]["count"] / r["img_per_sec"] for r in history if r.get("img_per_sec"))
-        return {"best_val_top1": max(vals) if vals else float("nan"),
-                "final_val_loss": next((r["val"]["loss"] for r in reversed(history) if "val" in r), float("nan")),
-                "img_per_sec": n / secs if secs else 0.0, "total_seconds": secs,
-                "arena_bytes": self.rt.compiled.plan.total_bytes, "peak_device_bytes": 0, "steps": step,
-                "from_history": True, **self._objective(history)}
 
     def _epochs(self, start_epoch, step, history, tel, guard):
         pc, rt, ex = self.pc, self.rt, self.rt.ex
-        images, train_time = 0, 0.0
         for epoch in range(start_epoch, pc.trainer.epochs):
             sched = epoch_schedule(pc, epoch)[step - self.steps_before(epoch):]  # skip what is done
             if pc.trainer.max_steps:
                 sched = sched[:max(pc.trainer.max_steps - step, 0)]
-            if not sched:
+            done = self._epoch_before is not None and step == self.steps_before(epoch + 1)
+            if not sched and not done:  # (done: resumed after the epoch's last step, before its record)
                 break
             rt.sync()
             t0 = time.perf_counter()
-            totals = {"loss": 0.0, "top1": 0.0, "top5": 0.0, "count": 0.0}
+            so_far = self._epoch_so_far(epoch, step, history)
+            self._running, self._cut_short = (so_far, sched, step, t0), None
             bar = _progress(len(sched), f"epoch {epoch + 1}/{pc.trainer.epochs}",
                             pc.trainer.progress and self._tty)
             mark = {"t": t0, "k": -1, "wait": 0.0}
@@ -375,9 +372,7 @@ class Trainer:
                     now = time.perf_counter()
                     n_steps = k - mark["k"]
                     n_img = sum(s[2] for s in sched[mark["k"] + 1:k + 1])
-                    for key in ("loss", "top1", "top5"):
-                        totals[key] += m[key] * m["count"]
-                    totals["count"] += m["count"]
+                    so_far.add(m)
                     rate = n_img / max(now - mark["t"], 1e-9)
                     tel.train(_step0 + k + 1, m, lr=ex.scalar("lr"), img_per_sec=rate,
                               step_time_ms=1000 * (now - mark["t"]) / n_steps,
@@ -392,17 +387,21 @@ class Trainer:
                     except Exception as e:
                         raise _Stop(_step0 + k + 1, _epoch, error=e) from None
             self.run_steps(sched, "train", step0=step, on_step=on_step, epoch=epoch)
+            if not sched:
+                so_far.add(ex.read_metrics("train"))  # (the samples of its steps since the last read)
             if bar:
                 bar.close()
             rt.sync()
             dt = time.perf_counter() - t0
             n_img = sum(s[2] for s in sched)
-            step, images, train_time = step + len(sched), images + n_img, train_time + dt
-            n = max(totals["count"], 1.0)
-            train = {k: totals[k] / n for k in ("loss", "top1", "top5")} | {"count": totals["count"]}
-            rec = {"epoch": epoch + 1, "step": step, "train": train,
-                   "img_per_sec": n_img / dt, "lr": ex.scalar("lr")}
+            step, self._images, self._train_time = step + len(sched), self._images + n_img, self._train_time + dt
+            so_far = so_far.plus(n_img, dt, step)
+            rec = {"epoch": epoch + 1, "step": step, "train": so_far.train(),
+                   "img_per_sec": so_far.images / so_far.seconds, "lr": ex.scalar("lr")}
+            if so_far.from_step:
+                rec["train_from_step"] = so_far.from_step
             complete = step == self.steps_before(epoch + 1)
+            self._running, self._cut_short = None, None if complete else so_far
             if complete and pc.trainer.sema_every and pc.ema and (epoch + 1) % pc.trainer.sema_every == 0:
                 ex.sema_switch()
             if complete and ((epoch + 1) % pc.trainer.val_every == 0 or epoch + 1 == pc.trainer.epochs):
@@ -413,12 +412,29 @@ class Trainer:
             rec["nonfinite"] = ex.scalar("nonfinite")
             rec["skipped"] = ex.scalar("skipped")
             history.append(rec)
+            self._recorded += 1
             self.log(format_epoch(rec))
             last = epoch + 1 == pc.trainer.epochs or (pc.trainer.max_steps and step >= pc.trainer.max_steps)
             if pc.trainer.checkpoint_every and ((epoch + 1) % pc.trainer.checkpoint_every == 0 or last):
                 self.save_checkpoint(epoch + 1 if complete else epoch, step, history)
             self.write_metrics(history)
-        return step, images, train_time
+        return step, self._images, self._train_time
+
+    def _epoch_so_far(self, epoch: int, step: int, history: list) -> tally.EpochTally:
+        """The tally ``epoch`` starts from at ``step``: none at its start; resumed inside it, the
+        checkpoint's, whose epoch record (written where max_steps cut the epoch short) this
+        epoch's record replaces; without one (an older checkpoint), a fresh tally marked with
+        the step its train metrics start from."""
+        if step == self.steps_before(epoch):
+            return tally.EpochTally(epoch)
+        before, self._epoch_before = self._epoch_before, None
+        if before is None:
+            self.log(f"resume: the checkpoint has no tally of epoch {epoch + 1} before step {step}; "
+                     f"that epoch's train metrics cover steps {step + 1} on")
+            return tally.EpochTally(epoch, from_step=step)
+        if history and (history[-1]["epoch"], history[-1]["step"]) == (epoch + 1, step):
+            history.pop()
+        return before
 
     def _should_stop(self, guard, at_log: bool) -> bool:
         """A preemption signal stops at a step boundary; with several ranks, all ranks agree
@@ -451,7 +467,3 @@ def format_epoch(rec: dict) -> str:
         s += f"  skipped {int(rec['skipped'])}"
     return s
 
-
-def _top1(v: float) -> str:
-    """A top-1 figure for the log; n/a where no validation ran (NaN)."""
-    return "n/a" if math.isnan(v) else f"{v:.2f}"
