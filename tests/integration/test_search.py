@@ -28,11 +28,20 @@ def _overrides(job: Path) -> dict[str, str]:
     return dict(o.split("=", 1) for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()))
 
 
+def _assert_plain(out) -> None:
+    """A search's output on a pipe: no alembic setup chatter, no colour codes."""
+    text = out.stdout + out.stderr
+    assert "alembic" not in text and "\x1b[" not in text, text[:3000]
+
+
 def test_optuna_search_on_digits_and_the_best_trial_reruns_to_its_objective(tmp_path):
     sweep = tmp_path / "search"
     out = run("tr-train", "hparams_search=optuna", "hydra.sweeper.n_trials=4", *DIGITS,
               f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    _assert_plain(out)
+    assert "A new study created in memory with name: tr_hydra_search" in out.stdout  # optuna's lines kept
+    assert "\t#3 : optimizer.lr=" in out.stdout and "sweep summary (" in out.stdout
     jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     assert [j.name for j in jobs] == ["0", "1", "2", "3"]
     values = {j.name: _objective(j) for j in jobs}  # each trial a run of its own, in its own dir

@@ -1,4 +1,5 @@
-"""Summary table of a multirun sweep, printed when the sweep ends (a Hydra callback).
+"""Summary table of a multirun sweep, printed when the sweep ends (a Hydra callback, which also
+makes a search's optuna log lines plain when the sweep starts).
 
 Every job of the sweep is a row: a finished one with its figures, a failed one (tr-train's task
 writes ``failed.txt``, one line, into the job's dir and the sweep goes on) as
@@ -115,7 +116,23 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plain_optuna_logging() -> None:
+    """Optuna's messages through Hydra's logging, as plain as the sweeper's own lines: optuna
+    2.x writes them to stderr through its own colorlog handler, ANSI codes even into a pipe or a
+    CI log. And alembic's ``setup plugin ...`` lines (INFO, when optuna imports its RDB storage)
+    stay below Hydra's INFO. Called before the sweeper imports optuna (the sweep's start)."""
+    import logging
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    import optuna
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
 class SweepSummary(Callback):
+    def on_multirun_start(self, config, **kwargs) -> None:
+        if "hydra_optuna_sweeper" in str((config.hydra.get("sweeper") or {}).get("_target_", "")):
+            plain_optuna_logging()
+
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
