@@ -134,3 +134,21 @@ def test_a_plugin_not_installed_is_one_line_naming_the_extra(monkeypatch, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, err
         assert f"pip install 'tr_hydra[{extra}]'" in err[0] and f"pip install -e '.[{extra}]'" in err[0], err
+
+
+def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path):
+    """Optuna's sweeper asks for the best trial when none completed (``ValueError: No trials are
+    completed yet``): the summary of what ran, one line, exit 1. Both trials are refused by the
+    config check, at no cost."""
+    sweep = tmp_path / "search"
+    out = run("tr-train", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=choice(-1.0,-2.0)",
+              *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    _assert_plain(out)
+    rows = (sweep / "summary.txt").read_text().splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["0", "1"] and all("failed: optimizer.lr: must be > 0" in r for r in rows)
+    assert "sweep summary (" in out.stdout and rows[0] in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == ("tr-train: every trial of the search failed (2 of 2, rows 'failed:' in the summary): "
+                    "no best trial, no optimization_results.yaml"), out.stderr[-2000:]
+    assert not (sweep / "optimization_results.yaml").exists()

@@ -7,6 +7,7 @@ writes ``failed.txt``, one line, into the job's dir and the sweep goes on) as
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -116,6 +117,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summarize(sweep_dir: Path) -> list[dict]:
+    """The table of the jobs the sweep dir holds, on stdout and in its summary.txt; its rows
+    (also ``LAST["rows"]``)."""
+    sweep_dir = Path(sweep_dir)
+    rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
+    LAST["rows"] = rows
+    table = format_table(rows)
+    print(f"\nsweep summary ({sweep_dir}):\n{table}", flush=True)
+    try:
+        (sweep_dir / "summary.txt").write_text(table + "\n")
+    except OSError as e:
+        print(f"tr-train: summary.txt not written: {sweep_dir / 'summary.txt'}: {e.strerror}",
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def plain_optuna_logging() -> None:
     """Optuna's messages through Hydra's logging, as plain as the sweeper's own lines: optuna
     2.x writes them to stderr through its own colorlog handler, ANSI codes even into a pipe or a
@@ -134,14 +151,4 @@ class SweepSummary(Callback):
             plain_optuna_logging()
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
-        LAST["rows"] = rows
-        table = format_table(rows)
-        print(f"\nsweep summary ({sweep_dir}):\n{table}", flush=True)
-        try:
-            (sweep_dir / "summary.txt").write_text(table + "\n")
-        except OSError as e:
-            import sys
-            print(f"tr-train: summary.txt not written: {sweep_dir / 'summary.txt'}: {e.strerror}",
-                  file=sys.stderr, flush=True)
+        summarize(Path(config.hydra.sweep.dir))
