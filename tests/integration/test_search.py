@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.test_cli import run
+from tests.integration.test_cli import ENV, _cli, run
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
 # digits, small enough to take seconds a trial, large enough that trials differ
@@ -152,3 +154,28 @@ def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path):
     assert last == ("tr-train: every trial of the search failed (2 of 2, rows 'failed:' in the summary): "
                     "no best trial, no optimization_results.yaml"), out.stderr[-2000:]
     assert not (sweep / "optimization_results.yaml").exists()
+
+
+def test_a_sweep_dir_that_refuses_writes_mid_search_ends_with_what_ran(tmp_path):
+    """Job 0 (refused by the config check, at no cost) leaves its row; then the sweep dir refuses
+    job 1's dir: the summary of what ran, one line naming the dir and the cause, exit 1."""
+    from tests.integration.sweep_callbacks import modes_bind
+    how, cause = ("readonly", "Permission denied") if modes_bind(tmp_path) else ("file", "File exists")
+    sweep = tmp_path / "search"
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (repo, ENV.get("PYTHONPATH")) if p))
+    try:
+        out = subprocess.run(_cli("tr-train") + [
+            "hparams_search=optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=-1.0", *TINY,
+            f"hydra.sweep.dir={sweep}", f"+hydra.callbacks.block.how={how}",
+            "+hydra.callbacks.block._target_=tests.integration.sweep_callbacks.BlockTheSweepDir"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        if sweep.is_dir():
+            sweep.chmod(0o755)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("sweep summary ("):].splitlines()
+    assert table[-1].split()[0] == "0" and "failed: optimizer.lr: must be > 0, got -1.0" in table[-1], table
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"tr-train: the sweep stopped after 1 job: hydra.sweep.dir={sweep}: {sweep / '1'}: {cause}", last
+    assert "summary.txt not written" not in out.stderr  # the line above names the dir's error once

@@ -115,12 +115,19 @@ def sweep_stops():
 def stopped(sweep_dir: Path, error: Exception) -> str:
     """A sweep its sweeper stopped with ``error``: the summary of what ran (stdout), and the one
     line that ends it. A search whose every trial failed (optuna's ``No trials are completed
-    yet`` when it looks for the best) says so."""
+    yet`` when it looks for the best) says so; a disk error names the file and its cause."""
     from tr_hydra.telemetry.sweep import summarize
     sweep_dir = Path(sweep_dir)
-    rows = summarize(sweep_dir)
+    disk = isinstance(error, OSError)
+    rows = summarize(sweep_dir, say_unwritten=not disk)
     n = len(rows)
     if isinstance(error, ValueError) and rows and all(r["failed"] for r in rows):
         return (f"every trial of the search failed ({n} of {n}, rows 'failed:' in the summary): "
                 f"no best trial, no optimization_results.yaml")
-    return f"the sweep stopped after {n} job{'s' if n != 1 else ''}: {one_line(error)}"
+    ran = f"the sweep stopped after {n} job{'s' if n != 1 else ''}"
+    if disk:
+        where = f"{error.filename}: " if error.filename else ""
+        inside = error.filename and Path(str(error.filename)).resolve().is_relative_to(sweep_dir.resolve())
+        cause = error.strerror or one_line(error)
+        return f"{ran}: hydra.sweep.dir={sweep_dir}: {where}{cause}" if inside else f"{ran}: {where}{cause}"
+    return f"{ran}: {one_line(error)}"

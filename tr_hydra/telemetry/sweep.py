@@ -47,7 +47,10 @@ def sweep_rows(sweep_dir: Path) -> list[dict]:
     """One row per job dir (0, 1, ...): ``failed`` holds a failed job's reason, ``unfinished``
     marks one that stopped before its end, the figures are a finished job's."""
     rows = []
-    jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()]
+    try:
+        jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()]
+    except OSError:  # an unreadable sweep dir: no rows
+        return []
     for job in sorted(jobs, key=lambda p: int(p.name)):
         metrics, failed = job / "metrics.json", job / FAILED
         if not (metrics.is_file() or failed.is_file() or (job / ".hydra").is_dir()):
@@ -117,9 +120,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summarize(sweep_dir: Path) -> list[dict]:
-    """The table of the jobs the sweep dir holds, on stdout and in its summary.txt; its rows
-    (also ``LAST["rows"]``)."""
+def summarize(sweep_dir: Path, say_unwritten: bool = True) -> list[dict]:
+    """The table of the jobs the sweep dir holds (as far as it reads), on stdout and in its
+    summary.txt; its rows (also ``LAST["rows"]``). ``say_unwritten``: a summary.txt not written
+    is a line on stderr (not where the line that ends the sweep names the dir's error)."""
     sweep_dir = Path(sweep_dir)
     rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
     LAST["rows"] = rows
@@ -128,8 +132,9 @@ def summarize(sweep_dir: Path) -> list[dict]:
     try:
         (sweep_dir / "summary.txt").write_text(table + "\n")
     except OSError as e:
-        print(f"tr-train: summary.txt not written: {sweep_dir / 'summary.txt'}: {e.strerror}",
-              file=sys.stderr, flush=True)
+        if say_unwritten:
+            print(f"tr-train: summary.txt not written: {sweep_dir / 'summary.txt'}: {e.strerror}",
+                  file=sys.stderr, flush=True)
     return rows
 
 
