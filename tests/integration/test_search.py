@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.test_cli import run
+from tests.integration.test_cli import ENV, _cli, run
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
 # digits, small enough to take seconds a trial, large enough that trials differ
@@ -28,11 +30,20 @@ def _overrides(job: Path) -> dict[str, str]:
     return dict(o.split("=", 1) for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()))
 
 
+def _assert_plain(out) -> None:
+    """A search's output on a pipe: no alembic setup chatter, no colour codes."""
+    text = out.stdout + out.stderr
+    assert "alembic" not in text and "\x1b[" not in text, text[:3000]
+
+
 def test_optuna_search_on_digits_and_the_best_trial_reruns_to_its_objective(tmp_path):
     sweep = tmp_path / "search"
     out = run("tr-train", "hparams_search=optuna", "hydra.sweeper.n_trials=4", *DIGITS,
               f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    _assert_plain(out)
+    assert "A new study created in memory with name: tr_hydra_search" in out.stdout  # optuna's lines kept
+    assert "\t#3 : optimizer.lr=" in out.stdout and "sweep summary (" in out.stdout
     jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     assert [j.name for j in jobs] == ["0", "1", "2", "3"]
     values = {j.name: _objective(j) for j in jobs}  # each trial a run of its own, in its own dir
@@ -125,3 +136,46 @@ def test_a_plugin_not_installed_is_one_line_naming_the_extra(monkeypatch, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, err
         assert f"pip install 'tr_hydra[{extra}]'" in err[0] and f"pip install -e '.[{extra}]'" in err[0], err
+
+
+def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path):
+    """Optuna's sweeper asks for the best trial when none completed (``ValueError: No trials are
+    completed yet``): the summary of what ran, one line, exit 1. Both trials are refused by the
+    config check, at no cost."""
+    sweep = tmp_path / "search"
+    out = run("tr-train", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=choice(-1.0,-2.0)",
+              *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    _assert_plain(out)
+    rows = (sweep / "summary.txt").read_text().splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["0", "1"] and all("failed: optimizer.lr: must be > 0" in r for r in rows)
+    assert "sweep summary (" in out.stdout and rows[0] in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == ("tr-train: every trial of the search failed (2 of 2, rows 'failed:' in the summary): "
+                    "no best trial, no optimization_results.yaml"), out.stderr[-2000:]
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
+def test_a_sweep_dir_that_refuses_writes_mid_search_ends_with_what_ran(tmp_path):
+    """Job 0 (refused by the config check, at no cost) leaves its row; then the sweep dir refuses
+    job 1's dir: the summary of what ran, one line naming the dir and the cause, exit 1."""
+    from tests.integration.sweep_callbacks import modes_bind
+    how, cause = ("readonly", "Permission denied") if modes_bind(tmp_path) else ("file", "File exists")
+    sweep = tmp_path / "search"
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (repo, ENV.get("PYTHONPATH")) if p))
+    try:
+        out = subprocess.run(_cli("tr-train") + [
+            "hparams_search=optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=-1.0", *TINY,
+            f"hydra.sweep.dir={sweep}", f"+hydra.callbacks.block.how={how}",
+            "+hydra.callbacks.block._target_=tests.integration.sweep_callbacks.BlockTheSweepDir"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        if sweep.is_dir():
+            sweep.chmod(0o755)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("sweep summary ("):].splitlines()
+    assert table[-1].split()[0] == "0" and "failed: optimizer.lr: must be > 0, got -1.0" in table[-1], table
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"tr-train: the sweep stopped after 1 job: hydra.sweep.dir={sweep}: {sweep / '1'}: {cause}", last
+    assert "summary.txt not written" not in out.stderr  # the line above names the dir's error once

@@ -340,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     import hydra
     task = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(run)
     sys.argv = [sys.argv[0]] + argv
+    from tr_hydra.cli.plugins import SweepStopped, stopped, sweep_stops
     try:
-        task()
+        with sweep_stops():
+            task()
+    except SweepStopped as e:  # the sweeper raised once the sweep began: what ran, and why it stopped
+        print(f"tr-train: {stopped(Path(e.sweep_dir), e.error)}", file=sys.stderr, flush=True)
+        return EXIT_JOBS_FAILED
     except SystemExit:
         raise
     except Exception as e:  # Hydra reports most errors itself; anything else is one line too

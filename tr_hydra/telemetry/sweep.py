@@ -1,4 +1,5 @@
-"""Summary table of a multirun sweep, printed when the sweep ends (a Hydra callback).
+"""Summary table of a multirun sweep, printed when the sweep ends (a Hydra callback, which also
+makes a search's optuna log lines plain when the sweep starts).
 
 Every job of the sweep is a row: a finished one with its figures, a failed one (tr-train's task
 writes ``failed.txt``, one line, into the job's dir and the sweep goes on) as
@@ -6,6 +7,7 @@ writes ``failed.txt``, one line, into the job's dir and the sweep goes on) as
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -45,7 +47,10 @@ def sweep_rows(sweep_dir: Path) -> list[dict]:
     """One row per job dir (0, 1, ...): ``failed`` holds a failed job's reason, ``unfinished``
     marks one that stopped before its end, the figures are a finished job's."""
     rows = []
-    jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()]
+    try:
+        jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()]
+    except OSError:  # an unreadable sweep dir: no rows
+        return []
     for job in sorted(jobs, key=lambda p: int(p.name)):
         metrics, failed = job / "metrics.json", job / FAILED
         if not (metrics.is_file() or failed.is_file() or (job / ".hydra").is_dir()):
@@ -115,16 +120,40 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-class SweepSummary(Callback):
-    def on_multirun_end(self, config, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
-        LAST["rows"] = rows
-        table = format_table(rows)
-        print(f"\nsweep summary ({sweep_dir}):\n{table}", flush=True)
-        try:
-            (sweep_dir / "summary.txt").write_text(table + "\n")
-        except OSError as e:
-            import sys
+def summarize(sweep_dir: Path, say_unwritten: bool = True) -> list[dict]:
+    """The table of the jobs the sweep dir holds (as far as it reads), on stdout and in its
+    summary.txt; its rows (also ``LAST["rows"]``). ``say_unwritten``: a summary.txt not written
+    is a line on stderr (not where the line that ends the sweep names the dir's error)."""
+    sweep_dir = Path(sweep_dir)
+    rows = sweep_rows(sweep_dir) if sweep_dir.is_dir() else []
+    LAST["rows"] = rows
+    table = format_table(rows)
+    print(f"\nsweep summary ({sweep_dir}):\n{table}", flush=True)
+    try:
+        (sweep_dir / "summary.txt").write_text(table + "\n")
+    except OSError as e:
+        if say_unwritten:
             print(f"tr-train: summary.txt not written: {sweep_dir / 'summary.txt'}: {e.strerror}",
                   file=sys.stderr, flush=True)
+    return rows
+
+
+def plain_optuna_logging() -> None:
+    """Optuna's messages through Hydra's logging, as plain as the sweeper's own lines: optuna
+    2.x writes them to stderr through its own colorlog handler, ANSI codes even into a pipe or a
+    CI log. And alembic's ``setup plugin ...`` lines (INFO, when optuna imports its RDB storage)
+    stay below Hydra's INFO. Called before the sweeper imports optuna (the sweep's start)."""
+    import logging
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    import optuna
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
+class SweepSummary(Callback):
+    def on_multirun_start(self, config, **kwargs) -> None:
+        if "hydra_optuna_sweeper" in str((config.hydra.get("sweeper") or {}).get("_target_", "")):
+            plain_optuna_logging()
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        summarize(Path(config.hydra.sweep.dir))
