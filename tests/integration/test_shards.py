@@ -177,10 +177,13 @@ def test_training_on_prepared_digits_matches_the_folder(tmp_path):
     assert recorded == {"num_classes": 10, "channels": 3, "image_size": 32, "mean": [0.0] * 3, "std": [255.0] * 3,
                         "augment": True, "crop_scale": [0.6, 1.0], "crop_ratio": [0.8, 1.25], "flip": False,
                         "val_crop": 1.0}, recorded
+    from tr_hydra.cli._common import compose
+    shards = compose(["data=shards", f"data.root={out}", "data.flip=true"]).data
+    assert [shards.mean, shards.std, shards.num_classes, shards.flip] == [[0.0] * 3, [255.0] * 3, 10, True]  # overrides win
     common = ["trainer.epochs=3", "runtime.device=cpu", "runtime.deterministic=true", "trainer.progress=false"]
     runs = {}
     for name, data in (("folder", ["data=digits", f"data.cache_dir={cache}"]),
-                       ("shards", ["data=shards", f"data.root={out}", *DIGITS_AS_SHARDS])):
+                       ("shards", ["data=shards", f"data.root={out}"])):  # the source's settings by default
         r = run("tr-train", *data, *common, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, cache=cache)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())["summary"]["best_val_top1"]

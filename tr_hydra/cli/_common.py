@@ -65,7 +65,8 @@ def with_source_defaults(overrides: list[str], cfg) -> list[str]:
     augmentation, classes: ``data.shards.recorded_data``), as overrides put before ``overrides``,
     so that the command line's own still win; ``overrides`` as they are for any other data.
     ``cfg``: what ``overrides`` compose to."""
-    if cfg.data.name != "shards" or not cfg.data.root:
+    name = cfg.data.name
+    if getattr(name, "name", name) != "shards" or not cfg.data.root:
         return overrides
     from tr_hydra.cli.rerun import value_text
     from tr_hydra.data.shards import recorded_data
