@@ -15,6 +15,7 @@ from tr_hydra.errors import ConfigError
 
 # this process's sweep (-m): how many jobs ran, and "job N: reason" for each that failed (main's exit code)
 _SWEEP = {"jobs": 0, "failed": []}
+PER_INVOCATION = ("trainer.max_steps=",)  # what a resume does not take from the run's saved config
 EXIT_JOBS_FAILED = 1  # a sweep ran to its end and some of its jobs failed (2: refused before anything ran)
 
 
@@ -158,7 +159,8 @@ def _resumed(run_dir: str, argv: list[str]) -> list[str] | None:
     if saved is None:  # no record (an older run's dir, or a new one): the checkpoint's fingerprint decides
         return None
     explicit_changes(run_dir, saved, compose(_overrides(argv)), _overrides(argv))
-    return rerun_overrides(run_dir, quiet=True) + argv
+    # trainer.max_steps stops one invocation (a run stopped there goes on when resumed)
+    return [o for o in rerun_overrides(run_dir, quiet=True) if not o.startswith(PER_INVOCATION)] + argv
 
 
 def _close(trainer) -> None:
