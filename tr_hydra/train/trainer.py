@@ -142,7 +142,8 @@ class Trainer:
         """(epoch, step, history) to start from; restores the arena when resuming."""
         from tr_hydra.runtime.distributed import broadcast
         pc, rt = self.pc, self.rt
-        if pc.resume is None:
+        from tr_hydra.config.plan_config import resume_choice
+        if resume_choice(pc.resume) is None:  # a PlanConfig built in Python may spell it "none"
             return 0, 0, []
         if pc.resume == "auto":
             # rank 0 picks the checkpoint; every rank loads that same file (or stops with it,
