@@ -89,6 +89,8 @@ def _compose(overrides: list[str], return_hydra_config: bool):
         try:
             return hcompose("config", overrides=overrides, return_hydra_config=return_hydra_config)
         except OSError as e:  # a key Hydra looks up as a config file, too long for a file name
+            if e.errno is None:  # Hydra's MissingConfigException is an OSError too: its own line
+                raise
             named = [o for o in overrides if e.filename and o.split("=", 1)[0].lstrip("+~") in str(e.filename)]
             key = named[0].split("=", 1)[0] if named else "an override"
             raise ConfigError(f"{_short(key)}: not an option ({e.strerror} when Hydra looks it up)") from None
