@@ -35,12 +35,9 @@ def _saved_describe(run_dir) -> dict | None:
 
 def _saved_model(run_dir) -> dict:
     """The model section of the config saved in the run dir (.hydra/config.yaml: still the
-    earlier run's before Hydra starts this one)."""
-    import yaml
-    try:
-        m = (yaml.safe_load((Path(run_dir) / ".hydra" / "config.yaml").read_text()) or {}).get("model")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return {}
+    earlier run's before this one writes its own record)."""
+    from tr_hydra.cli.record import saved_config
+    m = (saved_config(run_dir) or {}).get("model")
     return m if isinstance(m, dict) else {}
 
 
@@ -76,10 +73,8 @@ def check_writable(key: str, path) -> None:
     the cause otherwise. The dirs made for the check are removed again (Hydra makes them)."""
     import tempfile
     p = Path(path)
-    made, q = [], p
-    while not os.path.lexists(q) and q != q.parent:
-        made.append(q)
-        q = q.parent
+    made = _missing(p)
+    q = made[-1].parent if made else p
     if os.path.lexists(q) and not q.is_dir():
         kind = "a file, not a directory" if q.is_file() else "not a directory"
         raise ConfigError(f"{key}={path}: cannot make the dir: {q} is {kind}")
@@ -94,11 +89,25 @@ def check_writable(key: str, path) -> None:
         what = f"cannot make {p}" if made else f"cannot write into {p}"
         raise ConfigError(f"{key}={path}: {what}: {e.strerror or e}" + (f" ({bad})" if bad else "")) from None
     finally:
-        for d in made:  # deepest first
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+        _remove(made)
+
+
+def _missing(p: Path) -> list[Path]:
+    """``p`` and those of its parents that do not exist, deepest first."""
+    made, q = [], p
+    while not os.path.lexists(q) and q != q.parent:
+        made.append(q)
+        q = q.parent
+    return made
+
+
+def _remove(made: list[Path]) -> None:
+    """The dirs ``_missing`` named, deepest first, where they are (still) empty."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 def take_dir(key: str, path, check) -> None:
@@ -107,10 +116,7 @@ def take_dir(key: str, path, check) -> None:
     ``check()`` under the lock (it holds no other run's results, now that no other run can start
     there). Refused, the dirs made for it are removed again: a refused run leaves nothing."""
     p = Path(path)
-    made, q = [], p
-    while not os.path.lexists(q) and q != q.parent:
-        made.append(q)
-        q = q.parent
+    made = _missing(p)
     p.mkdir(parents=True, exist_ok=True)  # check_writable said it can be made
     fd = None
     try:
@@ -119,10 +125,6 @@ def take_dir(key: str, path, check) -> None:
     except BaseException:
         if fd is not None:
             os.close(fd)
-        for d in made:  # deepest first
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+        _remove(made)
         raise
     _HELD.append(fd)
