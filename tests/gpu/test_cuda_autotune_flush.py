@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tr_hydra.startup.autotune_flush import fit_under_peak
+from tr_hydra.internals.autotune_flush import fit_under_peak
 
 pytestmark = pytest.mark.cuda
 
@@ -46,7 +46,7 @@ CHILD = r"""
 import contextlib, dataclasses, json, sys
 import torch
 from tests.helpers import small_config
-from tr_hydra.startup import autotune_flush
+from tr_hydra.internals import autotune_flush
 from tr_hydra.train.trainer import Trainer
 mode, run_dir = sys.argv[1], sys.argv[2]
 if mode == "full":  # Inductor's own buffer: nothing wrapped

@@ -1,5 +1,5 @@
 """Kernels tuned by coordinate descent, loaded from Inductor's cache by another process, are not
-tuned again (PyTorch issue 172819; ``tr_hydra.runtime.inductor_compat``)."""
+tuned again (PyTorch issue 172819; ``tr_hydra.internals.inductor_compat``)."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 if sys.argv[1] == "fix":
-    from tr_hydra.runtime import inductor_compat
+    from tr_hydra.internals import inductor_compat
     inductor_compat.apply()
 tunings = [0]
 original = CachingAutotuner.coordinate_descent_tuning
@@ -47,7 +47,7 @@ def _run(tmp_path, mode: str) -> dict:
 def test_kernels_tuned_in_one_process_load_tuned_in_the_next(tmp_path):
     import inspect
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    from tr_hydra.runtime.inductor_compat import recheck_is_faulty
+    from tr_hydra.internals.inductor_compat import recheck_is_faulty
     faulty = recheck_is_faulty(inspect.getsource(CachingAutotuner.recheck_autotune_cache))
 
     first = _run(tmp_path, "fix")  # compiles and tunes: the cache is empty

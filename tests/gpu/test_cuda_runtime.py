@@ -361,7 +361,7 @@ def test_trainers_compiling_differently_leave_a_reduce_overhead_step_alone(tmp_p
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
     from tr_hydra.bench import pytorch_runner
-    from tr_hydra.runtime import recompute
+    from tr_hydra.internals import recompute
     torch._dynamo.reset()
     recompute._compiled_with.clear()
     step = pytorch_runner("resnet18", 16, 64, 10, "reduce-overhead", torch.device("cuda"), True)

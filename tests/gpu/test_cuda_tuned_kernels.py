@@ -2,7 +2,7 @@
 small ones keep Inductor's config, a variant left untuned keeps every config, and a second
 process that loads the compiled step from the cache runs no benchmark at all, even where the
 loaded kernels' configs hash otherwise than the list they were tuned from
-(``tr_hydra.runtime.tuned_kernels``). With the run's steps (``runtime.tuning=auto``), each large
+(``tr_hydra.internals.tuned_kernels``). With the run's steps (``runtime.tuning=auto``), each large
 kernel is timed once and tuned only where that pays over them."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import copy, json, sys, torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.runtime import triton_heuristics as th
-from tr_hydra.runtime import compile_ahead, inductor_compat, tuned_kernels
+from tr_hydra.internals import compile_ahead, inductor_compat, tuned_kernels
 inductor_compat.apply()
 picks = []  # large kernels whose several configs Inductor benchmarked first, saving its pick
 if sys.argv[1] in ("rule", "untuned", "drift"):

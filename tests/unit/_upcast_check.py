@@ -1,4 +1,4 @@
-"""Shared by the CPU and CUDA tests of ``runtime/upcast_per_use.py``: ResNet-50's first three blocks
+"""Shared by the CPU and CUDA tests of ``internals/upcast_per_use.py``: ResNet-50's first three blocks
 (the first with the shortcut's BatchNorm) under 16-bit autocast, compiled by Inductor with
 and without the pass, against eager PyTorch and a float64 reference."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torchvision
 from torch._inductor.utils import run_and_get_code
 
-from tr_hydra.runtime.upcast_per_use import PASS
+from tr_hydra.internals.upcast_per_use import PASS
 
 
 def blocks() -> torch.nn.Module:

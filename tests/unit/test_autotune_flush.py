@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tr_hydra.startup import autotune_flush as af
+from tr_hydra.internals import autotune_flush as af
 
 bm = pytest.importorskip("torch._inductor.runtime.benchmarking")
 

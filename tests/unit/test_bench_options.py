@@ -180,7 +180,7 @@ def test_the_table_shows_ratios_to_the_best_pytorch_mode_and_a_dash_without_one(
 
 
 def test_the_table_says_what_the_start_up_searched_and_tuned():
-    from tr_hydra.startup.autotune_flush import FlushReport
+    from tr_hydra.internals.autotune_flush import FlushReport
     from tr_hydra.startup.cudnn import PrimeReport
     rep = StartupReport(cudnn=PrimeReport(calls=46, seconds=12.84))
     rec = _record("tr-inductor", 100.0, startup=rep.to_json())

@@ -1,4 +1,4 @@
-"""Coordinate descent's candidates compiled ahead (``tr_hydra.runtime.compile_ahead``): Inductor's
+"""Coordinate descent's candidates compiled ahead (``tr_hydra.internals.compile_ahead``): Inductor's
 own tuner walks as it would alone, and a config a worker compiled is one the tuner then loads."""
 import copy
 import functools
@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 cdt = pytest.importorskip("torch._inductor.runtime.coordinate_descent_tuner")
 
 from tests.helpers import triton_code_on_cpu  # noqa: E402
-from tr_hydra.runtime import compile_ahead as ca  # noqa: E402
+from tr_hydra.internals import compile_ahead as ca  # noqa: E402
 
 
 def _key(config):
@@ -152,7 +152,7 @@ def test_a_config_compiled_in_a_worker_is_loaded_by_the_tuners_compile(tmp_path,
 
 def test_a_kernel_the_rule_tunes_has_its_candidates_compiled_ahead(monkeypatch):
     th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
-    from tr_hydra.runtime import tuned_kernels as tk
+    from tr_hydra.internals import tuned_kernels as tk
 
     def tune(self, launcher, *args, **kwargs):  # Inductor's coordinate descent, from the launcher's config
         return self.coordesc_tuner.autotune(_ms, launcher.config, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tr_hydra.runtime import recompute
+from tr_hydra.internals import recompute
 
 
 def _counting(fn):

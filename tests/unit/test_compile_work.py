@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tr_hydra.runtime.graphs import compile_counts, compile_work_since, phase_seconds, phase_seconds_since
+from tr_hydra.internals.dynamo import compile_counts, compile_work_since, phase_seconds, phase_seconds_since
 
 
 def _f(x):

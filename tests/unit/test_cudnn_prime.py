@@ -329,7 +329,7 @@ def test_a_later_runtime_of_the_same_model_searches_before_the_warm_up(monkeypat
     no compile to search at the end of: it searches before its warm-up instead."""
     import dataclasses
     from tests.helpers import small_config
-    from tr_hydra.runtime import recompute
+    from tr_hydra.internals import recompute
     _searchable(monkeypatch)
     jobs = [cp.search_ahead(_inductor_runtime(), False) for _ in range(2)]
     assert isinstance(jobs[0], cp.BeforeFirstRun) and jobs[1] is None

@@ -9,7 +9,7 @@ th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 triton = pytest.importorskip("triton")
 
 from tests.helpers import CompiledConfig  # noqa: E402
-from tr_hydra.runtime import inductor_compat as ic  # noqa: E402
+from tr_hydra.internals import inductor_compat as ic  # noqa: E402
 
 INSTALLED = th.CachingAutotuner.recheck_autotune_cache
 
@@ -148,9 +148,10 @@ def test_applied_only_where_the_installed_form_is_faulty(monkeypatch):
 
 
 @pytest.mark.parametrize("tune", [True, False])
-def test_a_trainer_compiling_with_inductor_installs_the_fix_and_says_so_when_it_tunes(tmp_path, monkeypatch, tune):
+def test_a_trainer_compiling_with_inductor_says_so_and_fixes_inside_its_steps(tmp_path, monkeypatch, tune):
     import dataclasses
     from tests.helpers import small_config
+    from tr_hydra import internals
     from tr_hydra.runtime.build import Runtime
     monkeypatch.setattr(ic, "_APPLIED", [])
     monkeypatch.setattr(th.CachingAutotuner, "recheck_autotune_cache", recheck_2_11)  # as on 2.11
@@ -159,7 +160,10 @@ def test_a_trainer_compiling_with_inductor_installs_the_fix_and_says_so_when_it_
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, inductor_options=opts, precompile=0))
     logs = []
     Runtime(pc, log=logs.append, source=False)
-    assert th.CachingAutotuner.recheck_autotune_cache is ic.fixed_recheck_autotune_cache
+    assert th.CachingAutotuner.recheck_autotune_cache is recheck_2_11  # PyTorch's own outside a step
+    with internals.patched():
+        assert th.CachingAutotuner.recheck_autotune_cache is ic.fixed_recheck_autotune_cache
+    assert th.CachingAutotuner.recheck_autotune_cache is recheck_2_11
     said = [str(ln) for ln in logs if "172819" in str(ln)]
     assert len(said) == (1 if tune else 0), logs
 

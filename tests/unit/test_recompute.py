@@ -12,7 +12,7 @@ from tests.helpers import small_config
 from tr_hydra.compiler.analysis import propagate
 from tr_hydra.compiler.compile import compile_plan
 from tr_hydra.models.registry import build_model
-from tr_hydra.runtime.recompute import partitioner_options, with_recompute
+from tr_hydra.internals.recompute import partitioner_options, with_recompute
 
 
 def test_options_are_known_to_this_pytorch_and_applied_only_inside_the_call():
@@ -117,7 +117,7 @@ def test_a_change_of_recompute_mode_clears_dynamos_compiled_code(monkeypatch):
     guards do not see the partitioner options): the compiled code is cleared exactly when the
     mode changes from the last compile's, and not otherwise (a sweep keeps its warm code)."""
     import torch._dynamo
-    from tr_hydra.runtime import recompute
+    from tr_hydra.internals import recompute
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(recompute, "_compiled_with", [])
@@ -129,7 +129,7 @@ def test_a_change_of_inductor_options_clears_dynamos_compiled_code(monkeypatch):
     """runtime.inductor_options are not in Dynamo's guards either: other options clear the
     compiled code, the same options in another order do not."""
     import torch._dynamo
-    from tr_hydra.runtime import recompute
+    from tr_hydra.internals import recompute
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(recompute, "_compiled_with", [])
@@ -148,7 +148,7 @@ def test_a_second_trainer_with_another_recompute_mode_compiles_again_and_leaves_
     import torch._functorch.config as fc
     import torch._inductor.config as ic
     from torch._dynamo.utils import counters
-    from tr_hydra.runtime import recompute
+    from tr_hydra.internals import recompute
     from tr_hydra.train.trainer import Trainer
     torch._dynamo.reset()
     monkeypatch.setattr(recompute, "_compiled_with", [])

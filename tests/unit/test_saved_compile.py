@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tr_hydra import startup
-from tr_hydra.runtime import saved_compile
+from tr_hydra.internals import saved_compile
 from tr_hydra.runtime.build import Runtime
 from tr_hydra.startup import children as pcm
 from tests.helpers import small_config

@@ -10,7 +10,7 @@ import torch
 
 from tr_hydra import startup
 from tr_hydra.config.plan_config import OptimizerSpec, RuntimeSpec, TrainerSpec
-from tr_hydra.runtime import saved_compile
+from tr_hydra.internals import saved_compile
 from tr_hydra.startup import store as st
 from tr_hydra.startup.report import StartupReport
 from tr_hydra.startup.store import KeptCompiles

@@ -1,4 +1,4 @@
-"""Which Triton kernels coordinate descent tunes (``tr_hydra.runtime.tuned_kernels``): the size
+"""Which Triton kernels coordinate descent tunes (``tr_hydra.internals.tuned_kernels``): the size
 rule against hand-counted elements, and the wrapped method against a stand-in for Inductor's
 own tuning."""
 import pytest
@@ -7,7 +7,7 @@ th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 triton = pytest.importorskip("triton")
 
 from tests.helpers import CompiledConfig  # noqa: E402
-from tr_hydra.runtime import tuned_kernels as tk  # noqa: E402
+from tr_hydra.internals import tuned_kernels as tk  # noqa: E402
 
 
 @pytest.mark.parametrize("hints, n", [
@@ -64,7 +64,7 @@ def wrapped(monkeypatch):
     monkeypatch.setattr(tk, "COUNTS", {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 0})
     monkeypatch.setattr(tk, "_LAUNCHES", {})
     assert tk.apply() is True and tk.applied()
-    assert tk.apply() is True and tk._APPLIED == [tune]  # once
+    assert tk.apply() is True and tk._APPLIED == [("coordinate_descent_tuning", tune), ("autotune_to_one_config", pick)]  # once
     return th.CachingAutotuner.coordinate_descent_tuning, calls
 
 
@@ -141,7 +141,7 @@ def test_inductors_pick_saved_over_a_tuned_entry_does_not_replace_it(wrapped, tm
     Inductor benchmarks them and saves its pick over the entry coordinate descent left. The tuned
     config is read before that, launched, and written back for the next process."""
     from torch._inductor.runtime.autotune_cache import AutotuneCache
-    from tr_hydra.runtime import inductor_compat as compat
+    from tr_hydra.internals import inductor_compat as compat
     method, calls = wrapped
     k = _cached_kernel(tmp_path, saves)
     AutotuneCache.create(k.inductor_meta, k.filename, "the parallel compile's list").save(
@@ -324,9 +324,10 @@ def test_the_executor_says_which_variant_it_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("tune", [True, False])
-def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
+def test_a_trainer_that_tunes_says_so_and_patches_only_inside_its_steps(monkeypatch, tune):
     import dataclasses
     from tests.helpers import small_config
+    from tr_hydra import internals
     from tr_hydra.runtime.build import Runtime
     original = th.CachingAutotuner.coordinate_descent_tuning
     monkeypatch.setattr(th.CachingAutotuner, "coordinate_descent_tuning", original)  # restored after
@@ -339,5 +340,24 @@ def test_a_trainer_that_tunes_applies_the_rule_and_says_so(monkeypatch, tune):
     Runtime(pc, log=logs.append, source=False)
     said = [str(ln) for ln in logs if "coordinate descent tunes kernels of 1,048,576 elements" in str(ln)]
     assert len(said) == (1 if tune else 0), logs
-    assert tk.applied() == tune
-    assert (th.CachingAutotuner.coordinate_descent_tuning is original) != tune
+    # PyTorch's own methods outside a step (tr-bench's baselines compile there), the rule inside
+    assert not tk.applied() and th.CachingAutotuner.coordinate_descent_tuning is original
+    with internals.patched():
+        with internals.patched():  # nested: undone at the outer exit only
+            pass
+        assert tk.applied() and th.CachingAutotuner.coordinate_descent_tuning is not original
+    assert not tk.applied() and th.CachingAutotuner.coordinate_descent_tuning is original
+
+
+def test_a_closed_gate_patches_nothing(monkeypatch):
+    from tr_hydra import internals
+    original = th.CachingAutotuner.coordinate_descent_tuning
+    monkeypatch.setattr(tk, "_APPLIED", [])
+    monkeypatch.setenv(internals.STOCK_VAR, "1")
+    internals.reset()
+    try:
+        assert not internals.is_open() and "TR_HYDRA_STOCK=1" in internals.state().line()
+        with internals.patched(), internals.variant_step(True, None):
+            assert not tk.applied() and th.CachingAutotuner.coordinate_descent_tuning is original
+    finally:
+        internals.reset()

@@ -8,7 +8,8 @@ from tr_hydra.cli._common import compose
 from tr_hydra.compiler import tuning
 from tr_hydra.config.plan_config import plan_config_from
 from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
-from tr_hydra.runtime.upcast_per_use import PASS
+from tr_hydra.internals.compile import inductor_map
+from tr_hydra.internals.upcast_per_use import PASS
 
 
 def _pc(*overrides):
@@ -127,11 +128,11 @@ def test_resolved_config_and_the_options_it_compiles_with():
     assert got.tuned_steps == (37 * 5004,) and choice.steps == (37 * 5004,)
     assert [got.steps_to_pay(v.name) for v in got.variants] == [37 * 5004, None, None, None]
     assert "of those, each kernel where 10% of its launches' time over the run exceeds the 1 s" in choice.describe()
-    assert tuning.inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
+    assert inductor_map(got.runtime) == {"coordinate_descent_tuning": True, "post_grad_custom_post_pass": PASS}
     again, second = tuning.resolve(got, model, "cuda", True)
     assert again == got and second.variants == ("train_base",) and second.reason == "as asked"
     got, choice = tuning.resolve(short, model, "cuda", True)
-    assert not choice.tune and got.runtime.tuning == "none" and tuning.inductor_map(got.runtime) == {"post_grad_custom_post_pass": PASS}
+    assert not choice.tune and got.runtime.tuning == "none" and inductor_map(got.runtime) == {"post_grad_custom_post_pass": PASS}
     assert not any(got.tunes(v.name) for v in got.variants)
     asked = dataclasses.replace(short, runtime=dataclasses.replace(short.runtime, tuning="full"))
     got, choice = tuning.resolve(asked, model, "cuda", True)

@@ -1,4 +1,4 @@
-"""The graph pass that keeps 16-bit gradients in 16 bits (``runtime/upcast_per_use.py``)."""
+"""The graph pass that keeps 16-bit gradients in 16 bits (``internals/upcast_per_use.py``)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tr_hydra.runtime.upcast_per_use import PASS, upcast_per_use
+from tr_hydra.internals.upcast_per_use import PASS, upcast_per_use
 
 CONVERT = torch.ops.prims.convert_element_type.default
 
@@ -67,7 +67,7 @@ def test_blocks_compiled_keep_16bit_gradients_on_cpu():
 def test_pass_has_a_stable_identity():
     """Inductor's caches key the pass by its uuid, and the saved store by the options' repr: both
     are the same in another process, and the pass equals itself across copies."""
-    code = "from tr_hydra.runtime.upcast_per_use import PASS; print(repr(PASS), PASS.uuid())"
+    code = "from tr_hydra.internals.upcast_per_use import PASS; print(repr(PASS), PASS.uuid())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert other == [repr(PASS), PASS.uuid()]
     assert "0x" not in repr(PASS)

@@ -15,18 +15,12 @@ from tr_hydra.bench.timing import Marks, epoch_rates, sync
 
 def compile_as(fn, mode: str | None = None, options: dict | None = None, **kw):
     """``torch.compile(fn, mode=mode)``, with Inductor ``options`` (``runtime.inductor_options``)
-    on top of the mode's own: torch.compile takes a mode or options, not both. The same fix of
-    Inductor's cache check as tr_hydra's is applied (``tr_hydra.runtime.inductor_compat``), so
-    both load tuned kernels alike, and coordinate descent tunes the same kernels as in tr_hydra
-    (``tr_hydra.runtime.tuned_kernels``)."""
-    from tr_hydra.runtime import inductor_compat, tuned_kernels
-    inductor_compat.apply()
-    if (options or {}).get("coordinate_descent_tuning"):
-        tuned_kernels.apply()
+    on top of the mode's own: torch.compile takes a mode or options, not both. Stock PyTorch:
+    none of tr_hydra's patches is in force here (``tr_hydra.internals.patched``)."""
     if not options:
         return torch.compile(fn, mode=mode, **kw) if mode else torch.compile(fn, **kw)
-    from torch._inductor import list_mode_options
-    return torch.compile(fn, options={**(list_mode_options(mode) if mode else {}), **options}, **kw)
+    from tr_hydra.internals.inductor import mode_options
+    return torch.compile(fn, options={**(mode_options(mode) if mode else {}), **options}, **kw)
 
 
 def _model_and_optimizer(model_name: str, classes: int, device, lr: float = 0.1, weight_decay: float = 5e-5):

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from tr_hydra.errors import ModelMappingError
+from tr_hydra.internals.dispatch import DispatchMode
 from tr_hydra.ops.maxpool import GatherMaxPool2d
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _spec(v):
@@ -21,7 +21,7 @@ def _spec(v):
     return v
 
 
-class MetaMemo(TorchDispatchMode):
+class MetaMemo(DispatchMode):
     """Meta-device runs of a model, faster: BatchNorm's meta kernels are Python decompositions
     (about 3 ms a call, most of a ResNet's meta forward), so each distinct call (its tensors'
     shapes, strides, dtypes and offsets, and its other arguments) is run once and later ones get

@@ -2,7 +2,7 @@
 
 Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of a
 Triton kernel's block sizes at its first launch and keeps the fastest; tr_hydra gives it only the
-kernels large enough to gain (``runtime/tuned_kernels.py``). On the H200 it makes ResNet-50's step
+kernels large enough to gain (``internals/tuned_kernels.py``). On the H200 it makes ResNet-50's step
 5-10% faster and costs about a minute more before the first step: worth it for an ImageNet run
 of 37 epochs, a loss for a short one. ``auto`` weighs the two for each variant (each is a compile
 of its own) before anything compiles:
@@ -19,7 +19,7 @@ A variant is tuned when its saving exceeds its cost: in an ImageNet run the full
 not the one partial batch per epoch nor validation, whose tuning would take the GPU from the
 training batch's in the parallel compiles for seconds of gain. Each kernel of a tuned variant is
 then weighed on the same terms, from its own time at its first launch and the run's steps of the
-variant (``PlanConfig.tuned_steps``; ``runtime/tuned_kernels.py``). The constants are measured
+variant (``PlanConfig.tuned_steps``; ``internals/tuned_kernels.py``). The constants are measured
 (``docs/performance.md``, "Compile effort"). The choice depends on the plan alone, so a rerun of
 the same config chooses the same; tuned kernels are kept in Inductor's cache and in the saved
 store, and a later run of the same plan loads them without tuning again.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tr_hydra.runtime.tuned_kernels import KERNEL_GAIN, KERNEL_SECONDS
+from tr_hydra.internals.tuned_kernels import KERNEL_GAIN, KERNEL_SECONDS
 
 # H200, ResNet-50 at batch 256 and 224², bf16: 7,250 img/s x 3 x 8.18 GFLOP (2026-12-03)
 STEP_FLOPS_PER_S = 1.8e14
@@ -40,9 +40,9 @@ STEP_FLOPS_PER_S = 1.8e14
 # -> 9,417 (7-10%) on 2026-11-30; CIFAR ResNet-18 +2.5%
 GAIN = 0.05
 # ResNet-50 (53 BatchNorm layers) with ReLU's one-bit masks, the MLPerf plan cold, only its full
-# training batch tuned and only kernels over 2^20 elements (runtime/tuned_kernels.py): coordinate
+# training batch tuned and only kernels over 2^20 elements (internals/tuned_kernels.py): coordinate
 # descent took 161.6 s of that variant's compile, 79 kernels (H200, 2026-12-05); with the
-# candidates compiled ahead (runtime/compile_ahead.py) it takes 0.44 of that (59.7 s against
+# candidates compiled ahead (internals/compile_ahead.py) it takes 0.44 of that (59.7 s against
 # 136.8 s on one H100, the same 63 kernels): 71 s, 1.3 s a layer
 TUNE_SECONDS_PER_NORM = 1.3
 # a validation variant's coordinate descent against a training variant's of the same plan:
@@ -179,15 +179,3 @@ def resolve(pc, meta_model: torch.nn.Module, device_type: str, inductor: bool):
     choice = choose(pc, device_type, inductor, flops, norms)
     tuned = dataclasses.replace(pc.runtime, tuning="full" if choice.tune else "none")
     return dataclasses.replace(pc, runtime=tuned, tuned_variants=choice.variants, tuned_steps=choice.steps), choice
-
-
-def inductor_map(runtime) -> dict:
-    """The options the step's ``torch.compile`` gets: ``runtime.inductor_options``, the graph
-    pass that keeps 16-bit gradients in 16 bits (``runtime/upcast_per_use.py``) and, with
-    ``runtime.tuning=full`` (as chosen), coordinate descent."""
-    from tr_hydra.runtime.upcast_per_use import PASS
-    options = dict(runtime.inductor_options)
-    options["post_grad_custom_post_pass"] = PASS
-    if runtime.tuning == "full":
-        options["coordinate_descent_tuning"] = True
-    return options

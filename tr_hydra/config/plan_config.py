@@ -84,7 +84,7 @@ class PlanConfig:
     # None: every variant, where runtime.tuning=full
     tuned_variants: tuple[str, ...] | None = None
     # runtime.tuning=auto: the run's steps of each tuned variant, over which each of its kernels'
-    # tuning must pay (runtime/tuned_kernels.py); None: every kernel large enough is tuned
+    # tuning must pay (internals/tuned_kernels.py); None: every kernel large enough is tuned
     tuned_steps: tuple[int, ...] | None = None
 
     def describe(self) -> dict:
@@ -204,8 +204,10 @@ def inductor_options(opts: Any) -> tuple:
     flat = _flat_options(opts)
     if not flat:
         return ()
-    import torch._inductor.config as ic
-    known = ic.get_config_copy() if hasattr(ic, "get_config_copy") else {}
+    from tr_hydra.internals.inductor import known_options
+    known = known_options()
+    if known is None:  # this PyTorch cannot list them: Inductor checks them itself
+        return tuple(sorted(flat.items()))
     out = []
     for name, value in sorted(flat.items()):
         key = f"runtime.inductor_options.{name}"
@@ -213,7 +215,7 @@ def inductor_options(opts: Any) -> tuple:
             raise ConfigError(f"{key}: not allowed: {_OWNED_OPTIONS[name]}")
         if name not in known:
             near = [k for k in known if k.split(".")[-1] == name.split(".")[-1]]
-            hint = f" (did you mean {near[0]}?)" if near else " (torch._inductor.list_options() lists them)"
+            hint = f" (did you mean {near[0]}?)" if near else " (Inductor's list_options() lists them)"
             raise ConfigError(f"{key}: not an Inductor option of this PyTorch{hint}")
         default = known[name]
         if isinstance(default, bool):

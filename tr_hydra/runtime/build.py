@@ -10,7 +10,7 @@ import time
 import torch
 
 from tr_hydra.compiler.compile import Compiled, compile_plan, device_type_of, inductor_wanted, instantiate_model
-from tr_hydra.compiler.tuning import inductor_map
+from tr_hydra import internals
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.arena import ArenaKeeper
@@ -89,34 +89,27 @@ class Runtime:
         self.graphs = None  # CudaGraphs, once startup has captured the variants
 
     def _compiled_forward(self, model):
-        """The model's forward under ``torch.compile`` (Inductor, static shapes), with
-        ``runtime.inductor_options`` and ``runtime.recompute``."""
-        import torch._dynamo as dynamo
-        from tr_hydra.runtime import inductor_compat, tuned_kernels
-        from tr_hydra.runtime.recompute import fresh_compile_for, with_recompute
+        """The model's forward under ``torch.compile`` (``internals.compile``), said in the log."""
+        from tr_hydra.internals import inductor_compat, tuned_kernels
+        from tr_hydra.internals.compile import compile_forward, inductor_map
         pc = self.pc
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # one per variant and mode
         options = inductor_map(pc.runtime)
         self.log(self.compiled.tuning.describe())
         fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
         # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
-        # whether Dynamo's compiled code for the forward was dropped (compiled before in this
-        # process under other options): a compile will come (startup's cuDNN search waits for one)
-        self.forward_dropped = fresh_compile_for(pc.runtime.recompute, options,
-                                                 (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ())
-        forward = torch.compile(model, dynamic=False, options=options)
+        codes = (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ()
+        forward, self.forward_dropped = compile_forward(model, pc.runtime, codes, self.log)
         if pc.runtime.inductor_options:
             self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
-        if inductor_compat.apply() and options.get("coordinate_descent_tuning"):
+        if internals.is_open() and options.get("coordinate_descent_tuning") and inductor_compat.needed():
             self.log("this PyTorch's Inductor would tune again every kernel it loads from its cache "
                      "(PyTorch issue 172819): the fixed check of later releases is used")
-        if options.get("coordinate_descent_tuning") and tuned_kernels.apply():
+        if internals.is_open() and options.get("coordinate_descent_tuning"):
             each = (f", and of those only where {tuned_kernels.KERNEL_GAIN:.0%} of their launches' time over the "
                     f"run exceeds the {tuned_kernels.KERNEL_SECONDS:.0f} s tuning one takes" if pc.tuned_steps else "")
             self.log(f"coordinate descent tunes kernels of {tuned_kernels.MIN_ELEMENTS:,} elements or more{each}; "
                      "the others keep Inductor's config")
-        if pc.runtime.recompute != "none":
-            forward = with_recompute(forward, pc.runtime.recompute)
+        if internals.is_open() and pc.runtime.recompute != "none":
             self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
         return forward
 

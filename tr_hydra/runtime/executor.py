@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import Compiled
 from tr_hydra.compiler.program import Node
-from tr_hydra.compiler.tuning import inductor_map
+from tr_hydra.internals.compile import inductor_map
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
 from tr_hydra.memory.regions import BIAS_KINDS, MATRIX_KINDS, PARAM_KINDS, Region, series_span
 from tr_hydra.ops import range_ops as ops
 from tr_hydra.ops.optimizers import HyperScalars
-from tr_hydra.runtime import range_nodes, tuned_kernels
+from tr_hydra import internals
+from tr_hydra.runtime import range_nodes
 
 R = Region
 BUFFERS = ("A", "B")
@@ -293,7 +294,7 @@ class StepExecutor:
         ``forward_fn``. Called under the step's grad mode and autocast."""
         f = self.saved_forwards.get(variant)
         if f is not None and getattr(f, "signature", None) is not None:
-            from tr_hydra.runtime.saved_compile import Signature
+            from tr_hydra.internals.saved_compile import Signature
             why = f.signature.differs(Signature.of(self.model, x))
             if why:  # made for another input (a kept file whose key missed a difference): not used
                 self.saved_mismatch[variant] = why
@@ -308,7 +309,7 @@ class StepExecutor:
     def load_saved_forward(self, variant: str, path: str) -> None:
         """Use the compile saved in ``path`` (by a parallel compile's ``recorder``) for
         ``variant``'s steps."""
-        from tr_hydra.runtime import saved_compile
+        from tr_hydra.internals import saved_compile
         self.saved_forwards[variant] = saved_compile.load(path, self.model, variant)
 
     def _autocast(self):
@@ -363,13 +364,13 @@ class StepExecutor:
     def train_step(self, variant: str, buffer: str = "A") -> None:
         ctx = StepContext(variant, buffer)
         # a first launch tunes its kernels or not, each where it pays over the run's steps
-        with tuned_kernels.for_variant(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
+        with internals.variant_step(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
             for fn in self.train_ops:
                 fn(ctx)
 
     def val_step(self, variant: str, buffer: str = "A", into: str = "val") -> None:
         ctx = StepContext(variant, buffer, extra={"into": into})
-        with torch.no_grad(), tuned_kernels.for_variant(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
+        with torch.no_grad(), internals.variant_step(self.pc.tunes(variant), self.pc.steps_to_pay(variant)):
             for fn in self.val_ops:
                 fn(ctx)
 

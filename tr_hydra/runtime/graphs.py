@@ -6,53 +6,11 @@ import time
 
 import torch
 
+from tr_hydra.internals.dynamo import compile_counts, compile_work_since, phase_seconds, phase_seconds_since
 from tr_hydra.runtime.executor import BUFFERS, StepExecutor
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-# what this process's compiler did while one variant warmed up, from dynamo's counters: graphs
-# compiled here (Inductor cache misses), graphs loaded from the cache (hits: a parallel child's
-# compile, or an earlier run's), and coordinate-descent benchmarks run here
-# (runtime.tuning chose coordinate descent; none when the tuning was loaded)
-COMPILE_COUNTERS = {"compiled": ("inductor", "fxgraph_cache_miss"),
-                    "loaded": ("inductor", "fxgraph_cache_hit"),
-                    "coordesc_benchmarks": ("inductor", "coordesc_tuning_bench")}
-
-
-def compile_counts() -> dict[str, int]:
-    """The process's running totals of ``COMPILE_COUNTERS``."""
-    from torch._dynamo.utils import counters
-    return {name: int(counters[group][key]) for name, (group, key) in COMPILE_COUNTERS.items()}
-
-
-def compile_work_since(before: dict[str, int]) -> dict[str, int]:
-    """``COMPILE_COUNTERS`` added since ``before`` (a ``compile_counts()``)."""
-    return {name: n - before.get(name, 0) for name, n in compile_counts().items()}
-
-
-def compile_timers(least: float = 0.0, most: int = 1 << 30) -> dict[str, float]:
-    """Every one of Dynamo's and Inductor's phase timers (``compilation_time_metrics``: summed
-    over this process's compiles; nested timers overlap) that took ``least`` seconds or more,
-    the ``most`` longest first: where a compile's time goes."""
-    from torch._dynamo.utils import compilation_time_metrics as m
-    tot = sorted(((round(sum(v), 2), k) for k, v in m.items() if v and sum(v) >= least), reverse=True)
-    return {k: t for t, k in tot[:most]}
-
-
-def phase_seconds() -> dict[str, float]:
-    """The process's running totals of every one of Dynamo's and Inductor's phase timers."""
-    return compile_timers()
-
-
-def phase_seconds_since(before: dict[str, float], least: float = 0.05, most: int = 15) -> dict[str, float]:
-    """The timers that added ``least`` seconds or more since ``before`` (a ``phase_seconds()``),
-    the ``most`` longest first: where a variant's warm-up spent its compiler time (a compile:
-    ``compile_fx_inner``; a load from the cache: tracing, ``PyCodeCache.load_by_key_path``...)."""
-    d = sorted(((round(t - before.get(k, 0.0), 2), k) for k, t in phase_seconds().items()
-                if t - before.get(k, 0.0) >= least), reverse=True)
-    return {k: t for t, k in d[:most]}
-
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream per device on which every warm-up and capture of this process runs.

@@ -35,7 +35,8 @@ def start(pc, device: torch.device, log=print) -> Launcher | None:
     imports overlap the runtime's build; None where none will be forked."""
     if not launcher_wanted(pc, device.type, cpu_count()):
         return None
-    if pc.runtime.recompute == "none":  # every variant a child would compile kept by an earlier run: none
+    from tr_hydra import internals
+    if pc.runtime.recompute == "none" and internals.is_open():  # every variant a child would compile kept by an earlier run: none
         from types import SimpleNamespace
 
         from tr_hydra.compiler.compile import inductor_wanted, instantiate_model
@@ -86,8 +87,12 @@ class _Plan:
         every = [(v, True) for v in train_v] + [(v, False) for v in val_v]
         # a whole compile (saved_compile) does not go through runtime.recompute's partitioner
         # options: with them, the children only fill Inductor's caches and nothing is kept
-        whole = rt.pc.runtime.recompute == "none"
-        if not whole:
+        from tr_hydra import internals
+        whole = rt.pc.runtime.recompute == "none" and internals.is_open()
+        if not internals.is_open():
+            log("saved store: not used with stock torch.compile; each variant is traced here and its code "
+                "found in Inductor's caches")
+        elif not whole:
             log(f"runtime.recompute={rt.pc.runtime.recompute}: no whole compiles (they would not recompute); "
                 f"each variant is traced here and its code found in the caches")
         self.kc = KeptCompiles.open(rt, log) if whole else None
@@ -236,7 +241,7 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
     try:
         first = plan.own or (train_v + val_v)[0]
         if plan.whole:  # compiled whole here, to be kept
-            from tr_hydra.runtime.saved_compile import Recorder
+            from tr_hydra.internals.saved_compile import Recorder
             rt.ex.recorder = Recorder({v: None for v in plan.whole}, rt.ex.compile_options,
                                       on_compiled=lambda: ahead is not None and ahead.compiled())
         if not (plan.kc and first in plan.kc.found):  # else no compile comes before its convolutions
@@ -313,7 +318,8 @@ def _say_loads(rep: StartupReport, log) -> None:
 def _flush_fit(rt):
     """With Inductor: while every variant warms up, Triton's autotuning flushes L2 with at most
     the room under the memory high-water mark (``autotune_flush``); yields its report, or None."""
-    if not rt.inductor:
+    from tr_hydra import internals
+    if not rt.inductor or not internals.is_open():
         return contextlib.nullcontext()
-    from tr_hydra.startup.autotune_flush import fit_under_peak
+    from tr_hydra.internals.autotune_flush import fit_under_peak
     return fit_under_peak(rt.device)

@@ -11,31 +11,6 @@ import time
 from tr_hydra.startup.children import SAVE_FLAG
 from tr_hydra.startup.launcher import LAUNCHER_PRELOAD, _launcher_main, die_with_parent
 
-# Dynamo's and Inductor's own phase timers, summed over the child's compiles: where its time goes
-PHASES = (("trace", "bytecode_tracing"), ("aot", "create_aot_dispatcher_function"),
-          ("inductor", "compile_fx_inner"), ("triton_wait", "async_compile.wait"),
-          ("autotune", "CachingAutotuner.benchmark_all_configs"))
-
-
-def phase_seconds() -> dict:
-    from torch._dynamo.utils import compilation_time_metrics as m
-    return {short: round(sum(m[key]), 2) for short, key in PHASES if m.get(key)}
-
-
-def _counters() -> dict:
-    from torch._dynamo.utils import counters
-    out = {}
-    for group, keys in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
-                        ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"))):
-        for k in keys:
-            out[k] = int(counters[group][k])
-    from tr_hydra.runtime import compile_ahead, tuned_kernels
-    if tuned_kernels.applied():
-        out.update({f"kernels_{k}": n for k, n in tuned_kernels.COUNTS.items()})
-        out.update({f"candidates_{k}": n for k, n in compile_ahead.COUNTS.items()})
-    return out
-
-
 def main(argv: list[str], sent: float | None = None) -> int:
     """One variant's step, once, in a fresh process or one forked by a launcher. ``sent`` (or a
     last argument): when the precompiler asked for the child (``time.time()``), so that it
@@ -58,7 +33,7 @@ def main(argv: list[str], sent: float | None = None) -> int:
     import torch
 
     from tr_hydra.runtime.build import Runtime
-    from tr_hydra.runtime.graphs import compile_timers
+    from tr_hydra.internals.dynamo import cache_counts, compile_timers, phase_totals
     with open(path, "rb") as f:
         pc = pickle.load(f)
     t_import = time.perf_counter()
@@ -73,7 +48,7 @@ def main(argv: list[str], sent: float | None = None) -> int:
     # the compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
     torch.backends.cudnn.benchmark = False
     if save_to:
-        from tr_hydra.runtime.saved_compile import Recorder
+        from tr_hydra.internals.saved_compile import Recorder
         rt.ex.recorder = Recorder({name: save_to}, rt.ex.compile_options)
     if split == "train":
         rt.ex.train_step(name, "A")
@@ -84,9 +59,9 @@ def main(argv: list[str], sent: float | None = None) -> int:
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
     t_end = time.perf_counter()
-    out = dict(_counters(), variants=[name], start_s=round(max(0.0, t_start - sent), 2) if sent else None,
+    out = dict(cache_counts(), variants=[name], start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 3), trainer_s=round(t_runtime - t_import, 3),
-               step_s=round(t_end - t_runtime, 3), phases_s=phase_seconds(), timers_s=compile_timers(0.1, 30),
+               step_s=round(t_end - t_runtime, 3), phases_s=phase_totals(), timers_s=compile_timers(0.1, 30),
                **(rt.ex.recorder.report() if save_to else {}), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0

@@ -51,11 +51,8 @@ def memory_limited(workers: int, free_bytes: int, arena_bytes: int, act_bytes: i
 def caches_enabled() -> bool:
     """Inductor's FX graph cache is on: the children's Triton code and autotuning reach the
     training process through it."""
-    try:
-        import torch._inductor.config as ic
-    except Exception:  # noqa: BLE001 - no Inductor: nothing to compile ahead
-        return False
-    return bool(getattr(ic, "fx_graph_cache", False))
+    from tr_hydra.internals.inductor import fx_graph_cache_on
+    return fx_graph_cache_on()
 
 
 def launcher_wanted(pc, device_type: str, cpus: int) -> bool:

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from tr_hydra.internals.dispatch import DispatchMode
+from tr_hydra.internals.dynamo import end_callbacks
 
 aten = torch.ops.aten
 
@@ -112,7 +113,7 @@ def _ints(v) -> tuple[int, ...]:
     return tuple(int(i) for i in v)
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(DispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list[ConvCall] = []
@@ -213,18 +214,8 @@ def searches(device: torch.device) -> bool:
             and torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic)
 
 
-def _end_callbacks():
-    """Dynamo's compile-end callback registry (register, remove), or None in a PyTorch without it."""
-    try:
-        from torch._dynamo.callback import callback_handler as h
-    except ImportError:
-        return None
-    reg, rem = getattr(h, "register_end_callback", None), getattr(h, "remove_end_callback", None)
-    return (reg, rem) if reg and rem else None
-
-
 def can_search_ahead() -> bool:
-    return _end_callbacks() is not None
+    return end_callbacks() is not None
 
 
 class BeforeFirstRun:
@@ -236,7 +227,7 @@ class BeforeFirstRun:
     raised; nothing is raised inside Dynamo."""
 
     def __init__(self, calls: list[ConvCall], device: torch.device, stream, main_search):
-        reg_rem = _end_callbacks()
+        reg_rem = end_callbacks()
         if reg_rem is None:
             raise RuntimeError("this PyTorch has no Dynamo compile-end callback")
         self._reg, self._rem = reg_rem

@@ -15,6 +15,8 @@ import tempfile
 import threading
 import time
 
+from tr_hydra.internals import PRELOAD
+
 PARENT_VAR = "TR_HYDRA_PRECOMPILE_PARENT"  # the pid of the process that started a child
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -24,8 +26,8 @@ CHILD_MODULE = "tr_hydra.startup.child"  # ``python -m`` it: a child, or with --
 # what a launcher imports before it forks: PyTorch, what a child imports (the runtime, its
 # compile timers, the whole compile), and the parts of Dynamo, AOTAutograd and Inductor that a
 # first compile would otherwise import lazily
-LAUNCHER_PRELOAD = ("torch", "tr_hydra.runtime.build", "tr_hydra.runtime.graphs", "tr_hydra.runtime.saved_compile",
-                    "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx")
+LAUNCHER_PRELOAD = ("torch", "tr_hydra.runtime.build", "tr_hydra.runtime.graphs",
+                    "tr_hydra.internals.saved_compile") + PRELOAD
 
 LAUNCHER_READY_TIMEOUT_S = 180.0  # its imports and the CUDA check: 5-15 s expected
 

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from tr_hydra.compiler.tuning import inductor_map
-from tr_hydra.runtime.saved_compile import FORMAT, SavedForward, load, save
+from tr_hydra.internals.compile import inductor_map
+from tr_hydra.internals.saved_compile import FORMAT, SavedForward, load, save
 
 STORE_DIR = "tr_hydra_saved"  # under Inductor's cache directory
 STALE_TMP_S = 3600  # a temporary file this old in the store is a killed write's: trim removes it
@@ -39,10 +39,7 @@ _RUNTIME_NOT_KEYED = ("device", "warmup_steps", "precompile", "saved_store_gb")
 def store_dir() -> str:
     """``tr_hydra_saved`` in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else
     PyTorch's default): the saved compiles live and go with the caches they were made from."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:  # PyTorch 2.11's layout
-        from torch._inductor.runtime.runtime_utils import cache_dir
+    from tr_hydra.internals.inductor import cache_dir
     return os.path.join(cache_dir(), STORE_DIR)
 
 

@@ -131,7 +131,9 @@ def load(path: str, model: torch.nn.Module, name: str = "") -> SavedForward:
         raise ValueError(f"{path}: not a saved compile of this tr_hydra")
     if blob["torch"] != torch.__version__:
         raise ValueError(f"{path}: saved by PyTorch {blob['torch']}, not {torch.__version__}")
-    fn = torch.compiler.load_compiled_function(io.BytesIO(blob["fn"]))
+    from tr_hydra import internals
+    with internals.patched():  # its kernels' cache checks, as in a step's own compile
+        fn = torch.compiler.load_compiled_function(io.BytesIO(blob["fn"]))
     fn.disable_guard_check()  # see the module's note; Signature stands in for them
     return SavedForward(fn, model, blob["signature"], name)
 

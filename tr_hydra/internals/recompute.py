@@ -60,7 +60,7 @@ def fresh_compile_for(mode: str, options: dict | None = None, codes=()) -> bool:
     guards a compiled forward on the module's structure, not on the partitioner options, so a
     second trainer in one process (a sweep's next job, a bench mode) would otherwise run the
     first one's partition: measured on the H200, ``pointwise`` after ``none`` then kept exactly
-    as much as ``none``. Only those code objects are cleared: ``torch._dynamo.reset()``, used
+    as much as ``none``. Only those code objects are cleared: ``torch.compiler.reset()``, used
     when no ``codes`` are given, also drops every other compiled function of the process and
     resets ``torch.compile``'s CUDA graph trees under a reduce-overhead step built before (on
     the H200 that step compiled and recorded again, and one such process crashed). Returns
@@ -71,8 +71,8 @@ def fresh_compile_for(mode: str, options: dict | None = None, codes=()) -> bool:
         if codes:
             drop_compiled(codes)
         else:
-            import torch._dynamo
-            torch._dynamo.reset()
+            import torch
+            torch.compiler.reset()
     _compiled_with[:] = [key]
     return changed
 

@@ -18,7 +18,8 @@ load of each of three ResNet-50 variants the parallel compiles had tuned took 47
 2–3 s, with 3,619 benchmarks in all.
 
 :func:`apply` replaces the method with the fixed form only when the installed one has the
-faulty guard. Releases with the fix, such as 2.14, keep their own.
+faulty guard (releases with the fix, such as 2.14, keep their own), and :func:`remove` puts it
+back; the gate (``tr_hydra.internals.patched``) calls both.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import re
 _FAULTY_GUARD = re.compile(r"len\(cached_configs\)\s*==\s*1\s+and\s+len\(configs\)\s*>\s*1")
 
 _APPLIED: list = []  # the original method, once replaced
+_READ: dict = {}  # the method last checked by ``needed`` and whether it is faulty
 
 
 def recheck_is_faulty(source: str) -> bool:
@@ -156,24 +158,42 @@ def launcher_for(kernel, launcher, config):
     return made
 
 
+def needed() -> bool:
+    """Whether the installed ``recheck_autotune_cache`` has the faulty guard (read once per
+    method: the gate applies the fix at every step it wraps)."""
+    found = autotuner_method("recheck_autotune_cache")
+    if found is None:
+        return False
+    method = _APPLIED[0] if _APPLIED else found[1]
+    if _READ.get("method") is not method:
+        try:
+            faulty = recheck_is_faulty(inspect.getsource(method))
+        except (OSError, TypeError):  # no source to check: leave PyTorch's own
+            faulty = False
+        _READ.update(method=method, faulty=faulty)
+    return _READ["faulty"]
+
+
 def apply() -> bool:
     """Install :func:`fixed_recheck_autotune_cache` if the installed Inductor has the faulty
     guard. Returns whether the fix is in place (installed now or before)."""
     if _APPLIED:
         return True
-    found = autotuner_method("recheck_autotune_cache")
-    if found is None:
+    if not needed():
         return False
-    CachingAutotuner, original = found
-    try:
-        source = inspect.getsource(original)
-    except (OSError, TypeError):  # no source to check: leave PyTorch's own
-        return False
-    if not recheck_is_faulty(source):
-        return False
+    CachingAutotuner, original = autotuner_method("recheck_autotune_cache")
     _APPLIED.append(original)
     CachingAutotuner.recheck_autotune_cache = fixed_recheck_autotune_cache
     return True
+
+
+def remove() -> None:
+    """Put PyTorch's own method back, where :func:`apply` replaced it."""
+    if _APPLIED:
+        found = autotuner_method("recheck_autotune_cache")
+        if found is not None:
+            found[0].recheck_autotune_cache = _APPLIED.pop()
+        _APPLIED.clear()
 
 
 def applied() -> bool:

@@ -53,7 +53,7 @@ MIN_ELEMENTS = 1 << 20
 KERNEL_SECONDS = 1.0
 KERNEL_GAIN = 0.10
 
-_APPLIED: list = []  # the original coordinate_descent_tuning, once wrapped
+_APPLIED: list = []  # (name, original method) of each method wrapped
 # kernels this process tuned, kept at Inductor's config (small ones, and those timed too short to
 # pay: "unpaid"), and loaded as an earlier process tuned them
 COUNTS = {"tuned": 0, "kept": 0, "unpaid": 0, "loaded": 0}
@@ -142,7 +142,7 @@ def _tuned_before(kernel, launcher):
     (``inductor_compat``), or None: none was found, or it could not be made here (the kernel is
     then tuned as Inductor would). Where Inductor's pick among the kernel's configs was saved over
     that entry, the entry read before it (:func:`apply`) is used and written back."""
-    from tr_hydra.runtime import inductor_compat as compat
+    from tr_hydra.internals import inductor_compat as compat
     before = kernel.__dict__.pop("_tr_tuned_before", _UNREAD)
     best = compat.cached_coordesc_config(kernel) if before is _UNREAD else before
     if best is None:
@@ -172,7 +172,7 @@ def apply() -> bool:
     in place."""
     if _APPLIED:
         return True
-    from tr_hydra.runtime import compile_ahead, inductor_compat as compat
+    from tr_hydra.internals import compile_ahead, inductor_compat as compat
     found = compat.autotuner_method("coordinate_descent_tuning")
     if found is None:
         return False
@@ -206,11 +206,21 @@ def apply() -> bool:
             self._tr_tuned_before = compat.cached_coordesc_config(self)
         return picked[1](self, *args, **kwargs)
 
-    _APPLIED.append(original)
+    _APPLIED[:] = [("coordinate_descent_tuning", original)]
     CachingAutotuner.coordinate_descent_tuning = coordinate_descent_tuning
     if picked is not None:
+        _APPLIED.append(("autotune_to_one_config", picked[1]))
         CachingAutotuner.autotune_to_one_config = autotune_to_one_config
     return True
+
+
+def remove() -> None:
+    """Put PyTorch's own methods back, where :func:`apply` wrapped them."""
+    from tr_hydra.internals import inductor_compat as compat
+    found = compat.autotuner_method("coordinate_descent_tuning")
+    for name, original in _APPLIED if found is not None else ():
+        setattr(found[0], name, original)
+    _APPLIED.clear()
 
 
 def applied() -> bool:
