@@ -1,11 +1,31 @@
-"""Files written whole or not at all (checkpoints, metrics, weights, tr-prepare's index), and
-dirs that one process at a time writes into (a run dir, a sweep dir, tr-prepare's output)."""
+"""Files written whole or not at all (checkpoints, metrics, weights, tr-prepare's index), the
+dirs they go into, and dirs that one process at a time writes into (a run dir, a sweep dir,
+tr-prepare's output)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 from tr_hydra.errors import DirInUse, disk_error
+
+
+def jsonable(x):
+    """Plain JSON types (tuples to lists, non-finite floats kept as floats): what metrics.json
+    and a checkpoint's config and history hold."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def make_dir(d: Path, what: str) -> None:
+    """``d`` and its missing parents; a ``DiskError("<what>: cannot create <d>: <cause>")``
+    where they cannot be made."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(what, d, e, "create") from None
 
 
 def write_atomic(path: Path, *parts: bytes, what: str = "checkpoint") -> Path:

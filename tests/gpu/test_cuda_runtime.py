@@ -83,13 +83,13 @@ def test_no_allocations_after_capture(tmp_path, compile, folded_ema):
     for e in (0, 1):
         steps += epoch_schedule(pc, e)
     tr.run_steps(steps, "train")  # first replays
-    assert ("val_ema" in tr.validate()) == folded_ema
+    assert ("val_ema" in tr.validator.validate()) == folded_ema
     torch.cuda.synchronize()
     s0 = torch.cuda.memory_stats()
     m0 = torch.cuda.memory_allocated()
     for _ in range(100 // len(steps) + 1):
         tr.run_steps(steps, "train")
-        tr.validate()
+        tr.validator.validate()
     torch.cuda.synchronize()
     s1 = torch.cuda.memory_stats()
     assert torch.cuda.memory_allocated() == m0

@@ -110,3 +110,37 @@ def test_mismatched_plans_are_refused(tmp_path):
         p.join(timeout=60)
     for r in range(2):
         assert "rank 1 compiled another plan" in got[r] and "model 'resnet18' vs 'resnet50'" in got[r]
+
+
+def _stop_worker(rank, store, results):
+    """Rank 1 alone gets a signal; what each rank's stop policy answers, between log intervals
+    and at one, before and after it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from tr_hydra.runtime.distributed import DistContext
+    from tr_hydra.train.stop import StopPolicy
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        rt = SimpleNamespace(dist=DistContext(rank, 2, rank, "gloo"), device=torch.device("cpu"))
+        policy = StopPolicy(SimpleNamespace(), rt)
+        seen = [policy.preempted(at_log=True)]
+        if rank == 1:
+            policy.guard.stop.signal_name = "SIGTERM"
+        seen += [policy.preempted(at_log=False), policy.preempted(at_log=True)]
+        results.put((rank, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_stops_at_the_log_interval_after_one_rank_is_signalled(tmp_path):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_stop_worker, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: [False, False, True], 1: [False, False, True]}

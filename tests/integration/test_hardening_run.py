@@ -141,9 +141,9 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd)
     monkeypatch.setattr(os, "fsync", full)
-    cases = [(lambda: tr.save_checkpoint(1, 2, []), "checkpoint", tmp_path / "checkpoints" / "ckpt_e0001_s00000002.pt"),
-             (tr.save_final, "weights", tmp_path / "model_final.pt"),
-             (lambda: tr.write_metrics([]), "metrics", tmp_path / "metrics.json")]
+    cases = [(lambda: tr.checkpointer.save(1, 2, []), "checkpoint", tmp_path / "checkpoints" / "ckpt_e0001_s00000002.pt"),
+             (tr.checkpointer.save_final, "weights", tmp_path / "model_final.pt"),
+             (lambda: tr.metrics.write([]), "metrics", tmp_path / "metrics.json")]
     for call, what, path in cases:
         with pytest.raises(DiskError) as e:
             call()

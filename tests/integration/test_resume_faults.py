@@ -21,6 +21,7 @@ from tr_hydra.config.plan_config import TrainerSpec
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train import summary as sm
 from tr_hydra.train import tally
+from tr_hydra.train.stop import StopPolicy
 from tr_hydra.train.trainer import Trainer
 
 
@@ -147,11 +148,11 @@ def test_a_preemption_inside_an_epoch_resumes_to_the_epochs_of_an_unbroken_run(t
     Trainer(pc, tmp_path / "a", log=lambda *_: None).fit()
     calls = []
 
-    def stop_at(self, guard, at_log):
+    def stop_at(self, at_log):
         calls.append(1)
         return len(calls) == at
     with monkeypatch.context() as m:
-        m.setattr(Trainer, "_should_stop", stop_at)
+        m.setattr(StopPolicy, "preempted", stop_at)
         assert Trainer(pc, tmp_path / "b", log=lambda *_: None).fit().preempted
     assert [p.name for p in ck.checkpoints_in(tmp_path / "b")] == kept
     res = Trainer(dataclasses.replace(pc, resume="auto"), tmp_path / "b", log=lambda *_: None).fit()

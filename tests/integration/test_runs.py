@@ -73,7 +73,7 @@ def test_crash_while_writing_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed before the rename")
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        tr.save_checkpoint(2, 4, [])
+        tr.checkpointer.save(2, 4, [])
     monkeypatch.undo()
     assert ck.checkpoints_in(tmp_path) == [first]  # the half-written file is only a .tmp
     assert ck.newest_valid(tmp_path, log=lambda *_: None) == first

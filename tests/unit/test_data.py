@@ -355,7 +355,7 @@ def test_checkpoint_is_written_when_the_input_state_cannot_be_read(tmp_path, mon
     def broken():
         raise RuntimeError("Critical error in pipeline: decoder gone")
     monkeypatch.setattr(tr.source, "state", broken)
-    path = tr.save_checkpoint(1, 99, [])
+    path = tr.checkpointer.save(1, 99, [])
     assert "extra" in ck.load(path) and "data" not in ck.load(path)["extra"]
     assert any("the input state is not saved (Critical error in pipeline" in n for n in notes)
 

@@ -85,7 +85,7 @@ def test_ema_validation_uses_ema_weights_and_restores_live(tmp_path):
     tr = _trainer(tmp_path, ema=True, epochs=1)
     tr.fit()
     live = tr.arena.arena.clone()
-    out = tr.validate()
+    out = tr.validator.validate()
     assert torch.equal(live, tr.arena.arena)  # swapped back bit for bit
     assert out["val"]["loss"] != out["val_ema"]["loss"]
 
@@ -158,7 +158,7 @@ def test_val_metrics_match_eager_reference(tmp_path):
     tr = _trainer(tmp_path, epochs=1, val_size=70, val_batch=32)
     assert val_schedule(tr.pc)[-1] == ("val_last", 2, 6)
     tr.fit()
-    out = tr.validate()["val"]
+    out = tr.validator.validate()["val"]
     tr.model.eval()
     loss = top1 = top5 = n = 0.0
     with torch.no_grad():

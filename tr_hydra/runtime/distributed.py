@@ -105,6 +105,16 @@ def all_gather(ctx: DistContext, obj) -> list:
     return got
 
 
+def any_rank(ctx: DistContext, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank; every rank gets the same answer (a collective:
+    every rank must call it at the same point)."""
+    if ctx.world_size <= 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def weights_agree(ctx: DistContext, t: torch.Tensor) -> bool:
     """Whether every rank holds the same bytes (compared by a checksum of the span)."""
     if ctx.world_size <= 1:

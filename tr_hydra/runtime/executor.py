@@ -453,5 +453,12 @@ class StepExecutor:
         return {"loss": d["loss_sum"] / n, "top1": 100.0 * d["correct1"] / n,
                 "top5": 100.0 * d["correct5"] / n, "count": d["count"]}
 
+    def move_metrics(self, src: str, dst: str) -> None:
+        """Accumulator ``src``'s samples into ``dst`` (replacing what it held), ``src`` left
+        empty: validation with the EMA weights runs the same steps as without, which
+        accumulate into ``val``, and is read as ``val_ema``."""
+        self.acc[dst].copy_(self.acc[src])
+        self.acc[src].zero_()
+
     def scalar(self, name: str) -> float:
         return float(self.s[name].item())

@@ -47,3 +47,8 @@ def val_schedule(pc: PlanConfig) -> list[tuple[str, int, int]]:
     if pc.has_variant("val_last"):
         steps.append(("val_last", len(steps), pc.variant("val_last").batch))
     return steps
+
+
+def steps_before(pc: PlanConfig, epoch: int) -> int:
+    """The run's steps in the epochs before ``epoch``."""
+    return sum(len(epoch_schedule(pc, e)) for e in range(epoch))

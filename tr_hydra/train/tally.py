@@ -7,6 +7,7 @@ saved with the others."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 EPOCH_KEY, RUN_KEY = "epoch_so_far", "run_so_far"  # their names in a checkpoint's extra
@@ -53,6 +54,78 @@ class RunTally:
 
     def plus(self, images: int, train_seconds: float, seconds: float) -> RunTally:
         return RunTally(self.images + images, self.train_seconds + train_seconds, self.seconds + seconds)
+
+
+class Tallies:
+    """What the host has counted of the run at any step of a fit: the epoch in progress, the last
+    one cut short by max_steps, this process's images and train seconds, and the resumed
+    checkpoint's part (``epoch_before``: the epoch it stopped inside, None where it predates
+    the tallies or the resume goes on elsewhere; ``run_before``: the run's earlier processes,
+    None where not known). ``extra`` is what a checkpoint saved at that step carries."""
+
+    def __init__(self, log):
+        self.log = log  # (the resume note of ``begin_epoch``)
+        self.epoch_before: EpochTally | None = None
+        self.run_before: RunTally | None = RunTally()
+        self.images, self.train_seconds = 0, 0.0
+        self._t_run: float | None = None
+        self._running: tuple | None = None  # (its tally, its steps, its first step, its start time)
+        self._cut_short: EpochTally | None = None
+
+    def start(self) -> None:
+        """A fit starts: this process's counts from zero, its clock from now."""
+        self.images, self.train_seconds, self._t_run = 0, 0.0, time.perf_counter()
+
+    def begin_epoch(self, epoch: int, step: int, sched: list, t0: float, history: list,
+                    at_start: bool) -> EpochTally:
+        """The tally ``epoch`` starts from at ``step`` (``at_start``: its first step), running
+        ``sched`` from ``t0``: none at its start; resumed inside it, the checkpoint's, whose epoch
+        record (written where max_steps cut the epoch short) this epoch's record replaces in
+        ``history``; without one (an older checkpoint), a fresh tally marked with the step its
+        train metrics start from."""
+        if at_start:
+            so_far = EpochTally(epoch)
+        else:
+            before, self.epoch_before = self.epoch_before, None
+            if before is None:
+                self.log(f"resume: the checkpoint has no tally of epoch {epoch + 1} before step {step}; "
+                         f"that epoch's train metrics cover steps {step + 1} on")
+                so_far = EpochTally(epoch, from_step=step)
+            else:
+                if history and (history[-1]["epoch"], history[-1]["step"]) == (epoch + 1, step):
+                    history.pop()
+                so_far = before
+        self._running, self._cut_short = (so_far, sched, step, t0), None
+        return so_far
+
+    def end_epoch(self, complete: bool) -> EpochTally:
+        """The epoch in progress ran all its steps (``complete``: to the epoch's end, else
+        max_steps cut it short): its tally with the images and seconds added."""
+        so_far, sched, step0, t0 = self._running
+        n, dt = sum(s[2] for s in sched), time.perf_counter() - t0
+        self.images, self.train_seconds = self.images + n, self.train_seconds + dt
+        so_far = so_far.plus(n, dt, step0 + len(sched))
+        self._running, self._cut_short = None, None if complete else so_far
+        return so_far
+
+    def extra(self, step: int) -> dict:
+        """A checkpoint's tallies at ``step``: the epoch it stops inside (in progress, or cut
+        short by max_steps), and the whole run's images and seconds."""
+        images, secs, epoch = self.images, self.train_seconds, self._cut_short
+        if self._running is not None:  # a stop inside the epoch in progress
+            so_far, sched, step0, t0 = self._running
+            n, dt = sum(s[2] for s in sched[:step - step0]), time.perf_counter() - t0
+            images, secs, epoch = images + n, secs + dt, so_far.plus(n, dt, step)
+        wall = time.perf_counter() - self._t_run if self._t_run is not None else 0.0
+        # (after a resume from a checkpoint without them, the run's earlier part is not known)
+        run = self.run_before.plus(images, secs, wall) if self.run_before is not None else None
+        return to_extra(epoch, run)
+
+    def whole_run(self) -> RunTally:
+        """The run's images, train seconds and seconds so far: this process's, and its earlier
+        processes' where known."""
+        wall = time.perf_counter() - self._t_run if self._t_run is not None else 0.0
+        return (self.run_before or RunTally()).plus(self.images, self.train_seconds, wall)
 
 
 def check_extra(extra: dict) -> str | None:
