@@ -422,7 +422,7 @@ class StepExecutor:
                     ops.swap(x, y)
 
     def sema_switch(self) -> None:
-        """RANGE_SEMA_SWITCH: the EMA weights and statistics become the live ones."""
+        """Switch to the EMA (SEMA): the EMA weights and statistics become the live ones."""
         a = self.arena
         with torch.no_grad():
             ops.d2d_copy(a.span(*series_span("W", PARAM_KINDS)), a.span(*series_span("E", PARAM_KINDS)))
@@ -431,8 +431,8 @@ class StepExecutor:
                 ops.cast(a.span(*series_span("A", MATRIX_KINDS)), a.span(*series_span("W", MATRIX_KINDS)))
 
     def sync_bn_stats(self) -> None:
-        """RANGE_BN_STATS_ALLREDUCE: the mean over ranks of the running statistics (and of their
-        EMA twins), before validation and checkpoints."""
+        """The mean over ranks of the running statistics (and of their EMA twins), before
+        validation and checkpoints."""
         if not self.dist.backend:
             return
         from tr_hydra.runtime.distributed import all_reduce_mean
