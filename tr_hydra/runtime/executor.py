@@ -24,6 +24,7 @@ from tr_hydra.ops import range_ops as ops
 from tr_hydra.ops.optimizers import HyperScalars
 from tr_hydra import internals
 from tr_hydra.runtime import range_nodes
+from tr_hydra.runtime.forwards import Forwards
 
 R = Region
 BUFFERS = ("A", "B")
@@ -130,21 +131,14 @@ class FoldedBatchNorm(nn.Module):
 
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
-                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
-                 compile_loss: bool = False):
+                 forwards: Forwards | None = None, dist_ctx=None, compile_loss: bool = False):
+        """``forwards``: which compiled forward serves each variant (default: the model itself)."""
         self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
         self.model = model
-        self.forward_fn = forward if forward is not None else model
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
         # (with runtime.inductor_options and the tuning chosen, as the model's compile)
         options = inductor_map(compiled.config.runtime)
-        self.compile_options = options
-        # a variant's forward (and backward) compiled whole, called in place of ``forward_fn``:
-        # loaded from a parallel compile's file or the saved store, or compiled (and, in a
-        # child, saved) by ``recorder`` (saved_compile.Recorder) on the variant's first step
-        self.saved_forwards: dict[str, Callable] = {}
-        self.recorder = None
-        self.saved_mismatch: dict[str, str] = {}  # per variant: how a loaded compile's input differed
+        self.forwards = forwards if forwards is not None else Forwards(model, options=options)
         self._loss_fn = loss_and_metrics if not compile_loss else \
             torch.compile(loss_and_metrics, dynamic=False, options=options)
         from tr_hydra.runtime.distributed import SINGLE
@@ -289,29 +283,6 @@ class StepExecutor:
         img, lab = self.input_views(ctx.variant, ctx.buffer)
         return img.permute(0, 3, 1, 2), lab
 
-    def _forward_of(self, variant: str, x: torch.Tensor) -> Callable:
-        """The forward a variant's step calls: its saved compile where it has one, else
-        ``forward_fn``. Called under the step's grad mode and autocast."""
-        f = self.saved_forwards.get(variant)
-        if f is not None and getattr(f, "signature", None) is not None:
-            from tr_hydra.internals.saved_compile import Signature
-            why = f.signature.differs(Signature.of(self.model, x))
-            if why:  # made for another input (a kept file whose key missed a difference): not used
-                self.saved_mismatch[variant] = why
-                del self.saved_forwards[variant]
-                f = None
-        if f is None and self.recorder is not None and variant in self.recorder.paths:
-            f = self.recorder.forward(variant, self.model, x)  # None: it could not (kept in its report)
-            if f is not None:
-                self.saved_forwards[variant] = f
-        return f if f is not None else self.forward_fn
-
-    def load_saved_forward(self, variant: str, path: str) -> None:
-        """Use the compile saved in ``path`` (by a parallel compile's ``recorder``) for
-        ``variant``'s steps."""
-        from tr_hydra.internals import saved_compile
-        self.saved_forwards[variant] = saved_compile.load(path, self.model, variant)
-
     def _autocast(self):
         if not self.amp:
             return contextlib.nullcontext()
@@ -331,7 +302,7 @@ class StepExecutor:
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with self._autocast():
-            logits = self._forward_of(ctx.variant, x)(x)
+            logits = self.forwards.for_variant(ctx.variant, x)(x)
         self._loss_metrics(ctx, logits, y, train=True)
         ctx.logits = logits
 
@@ -357,7 +328,7 @@ class StepExecutor:
     def _forward_eval(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with torch.no_grad(), self._autocast():
-            logits = self._forward_of(ctx.variant, x)(x)
+            logits = self.forwards.for_variant(ctx.variant, x)(x)
             self._loss_metrics(ctx, logits, y, train=False)
 
     # ------------------------------------------------------------------ steps
