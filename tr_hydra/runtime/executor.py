@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import Compiled
-from tr_hydra.compiler.program import Node
+from tr_hydra.compiler.fusion import grads_read_16bit
+from tr_hydra.compiler.program import Node, RangeOp
 from tr_hydra.internals.compile import inductor_map
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
@@ -161,12 +162,6 @@ class StepExecutor:
         self.result = arena.view(pl["result.step"]).view(-1)
         self.acc = {n: arena.view(pl["result." + n]).view(-1) for n in ("train", "val", "val_ema")}
         self.nonfinite_mask = arena.view(pl["mask.nonfinite_regions"]).view(-1)
-        self._segments = None
-        if self.pc.optimizer.name == "lars":
-            elems = [t.slot_bytes // 4 for k in MATRIX_KINDS for t in pl.tensors_in(R[f"W_{k}"])]
-            self._segments = ops.Segments.from_sizes(elems, self.device)
-        self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
-        self.grad16_sumsq = None  # set by the fused check when the 16-bit gradients are overwritten
         # plan.bn_folded: per BN module's name, what validation runs in its place
         self._folded = {bn.module: FoldedBatchNorm(arena.torch_view(pl["eq_scale." + bn.module]),
                                                    arena.torch_view(pl["eq_bias." + bn.module]))
@@ -179,29 +174,32 @@ class StepExecutor:
         if any(g is None for g in self._grad_views):
             raise ValueError("bind the model to the arena before building its executor")
         self.fused = fused_kernels(self.pc.runtime.kernels, self.device.type)
-        self._half_out, self._fused_away = range_nodes.update_cast_pairs(compiled.program.train, self.fused)
-        self._grad16_in, away = range_nodes.grad_cast_pairs(compiled.program.train, self.fused)
-        self._fused_away |= away
+        program = compiled.program  # as the fusion pass left it for the plan's kernel choice
         if not compiled.plan.conditions.matrix_grads_fp32:
-            left = [n.op for n in compiled.program.train
-                    if n.op == "RANGE_CAST_FP16_TO_FP32" and id(n) not in away]
+            left = [n.op for n in program.train if n.op == RangeOp.RANGE_CAST_FP16_TO_FP32.value]
             if self.fused is None or left:
                 raise RuntimeError("the plan leaves the fp32 matrix gradients out, but this executor "
                                    f"would write them ({'no fused kernels' if self.fused is None else left}); "
                                    "compile the plan with the executor's kernel choice")
-        self.train_ops = [self._resolve(n) for n in compiled.program.train]
-        self.val_ops = [self._resolve(n) for n in compiled.program.val]
-        self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
+        self._binding = range_nodes.Binding(
+            arena=arena, plan=pl, pc=self.pc, s=self.s, h=self.h, result=self.result, acc=self.acc,
+            nonfinite_mask=self.nonfinite_mask, fused=self.fused, dist=self.dist,
+            segments=range_nodes.lars_segments(pl, self.device) if self.pc.optimizer.name == "lars" else None,
+            bn_eps=self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5)
+        checks = [range_nodes.check_layout(self._binding, n) for n in program.train
+                  if n.op == RangeOp.RANGE_CHECK_NAN.value]
+        self.check_regions = checks[-1].regions if checks else []  # what nonfinite_report names
+        # the sum of squares of the 16-bit gradients where the step overwrites them (plan.share_grad16)
+        self.grad16_sumsq = checks[-1].grad16_sumsq if checks else None
+        self.train_ops = [self._resolve(n) for n in program.train]
+        self.val_ops = [self._resolve(n) for n in program.val]
+        self.val_prologue_ops = [self._resolve(n) for n in program.val_prologue]
         self.init_scalars()
 
     @property
     def grads_read_16bit(self) -> list[tuple]:
         """(fp32 gradient span left unwritten, the 16-bit span the update reads instead)."""
-        out = []
-        for c in self.c.program.train:
-            if id(c) in self._fused_away and c.op == "RANGE_CAST_FP16_TO_FP32":
-                out.append((c.spans[0], c.spans[1]))
-        return out
+        return grads_read_16bit(self.c.program)
 
     # ------------------------------------------------------------------ views
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +266,7 @@ class StepExecutor:
                 step.add_(inc)
                 count.add_(inc.to(torch.int32) if gated else 1)
             return advance
-        return range_nodes.bind(self, n)
+        return range_nodes.bind(self._binding, n)
 
     def nonfinite_report(self) -> str:
         """Where the first non-finite value was seen (read on demand, one host transfer)."""
