@@ -157,7 +157,7 @@ def test_precompiled_variants_are_loaded_whole_and_kept_for_the_next_run(tmp_pat
     assert all(set(r["saved_s"]) == {n} and r["saved_bytes"][n] > 0 and "saved_errors" not in r
                for n, r in s.items()), s
     assert sorted(rep.loaded_s) == kids, logs
-    assert sorted(tr.ex.saved_forwards) == sorted(kids + [mine])  # its own compiled whole here too
+    assert sorted(tr.ex.forwards.report().saved) == sorted(kids + [mine])  # its own compiled whole here too
     assert any(line.startswith("loaded the saved compiles of 5 variants") for line in logs), logs
     assert next(iter(rep.warmup_seconds)) == mine, rep.warmup_seconds
     # it traced no model forward for the children's variants

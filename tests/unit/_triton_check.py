@@ -314,9 +314,12 @@ def check_executor_fuses_update_and_cast(dev) -> list[str]:
             failures += _check_fused_skip(tr)
             continue
         if kernels == "triton":
-            casts = sorted(n.op for n in tr.compiled.program.train if id(n) in tr.ex._fused_away)
-            if casts != ["RANGE_CAST_FP16_TO_FP32", "RANGE_CAST_FP32_TO_FP16"]:
-                failures.append(f"executor: expected both casts fused into the update, got {casts}")
+            program = tr.compiled.program.train  # the fusion pass's, which the executor bound
+            casts = [n.op for n in program if n.op.startswith("RANGE_CAST_")]
+            into = [sorted(k for k, _ in n.fused) for n in program if n.op.startswith("RANGE_UPDATE_WEIGHT_")]
+            if casts or into != [["grad16", "half"]] or len(tr.ex.train_ops) != len(program):
+                failures.append(f"program: expected both casts fused into the update, got casts {casts}, "
+                                f"the update fused with {into}")
             from tr_hydra.memory.regions import Region
             unused = {r.name: tr.compiled.plan.region_size[r]
                       for r in (Region.G_FC_WEIGHT, Region.G_FIRST_CONV, Region.G_DEEP_CONV)}

@@ -338,7 +338,7 @@ def test_a_later_runtime_of_the_same_model_searches_before_the_warm_up(monkeypat
     monkeypatch.setattr(recompute, "_compiled_with", [("none", ())])
     pc = small_config(compile="inductor")
     rt = _runtime(dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise")))
-    assert rt.forward_dropped
+    assert rt.forwards.dropped
     job = cp.search_ahead(rt, False)
     assert isinstance(job, cp.BeforeFirstRun)
     job.close()
@@ -403,8 +403,13 @@ def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch
     from tests.helpers import small_config
     from tr_hydra.runtime import graphs
     pc = small_config(train_size=200, batch=32, val_size=64, val_batch=32)  # train_base, train_last, val_base
-    rt = types.SimpleNamespace(pc=pc, device=torch.device("cuda"), inductor=True, model=None, graphs=None,
-                               ex=types.SimpleNamespace(recorder=None, compile_options={}))
+    from tr_hydra.internals import saved_compile
+    from tr_hydra.runtime.forwards import Forwards
+    monkeypatch.setattr(saved_compile, "compile_forward",
+                        lambda model, x, options=None, name="": saved_compile.SavedForward(None, model, None, name))
+    captured = []
+    rt = types.SimpleNamespace(pc=pc, device=torch.device("cuda"), inductor=True, model=None, ex=None,
+                               forwards=Forwards(None), use_graphs=captured.append)
     own, whole, found = {"first kept": (None, [], ["train_base"]),
                          "own compiled whole": ("val_base", ["val_base"], ["train_base"]),
                          "first traced": (None, [], []),
@@ -443,8 +448,8 @@ def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch
             first = next_variant(train_v + val_v)
             before_variant(first)
             events.append(("warm up", first))
-            if rt.ex.recorder is not None and first in rt.ex.recorder.paths:
-                rt.ex.recorder.on_compiled()  # its whole compile ends, before its code runs
+            if first in whole:  # recorded by get_ready: its whole compile ends, before its code runs
+                rt.forwards.for_variant(first, torch.zeros(1))
             before_capture()
             events.append("capture")
 
@@ -462,6 +467,7 @@ def test_no_search_ahead_when_the_first_variant_loads_a_kept_compile(monkeypatch
         "first traced": [("ahead", False)] + warm_up + ["close", "capture", "keep"],
         "none ahead": [("ahead", False), ("now", True)] + warm_up + ["capture", "keep"]}[case], events
     assert rep.cudnn is not None and rep.cudnn.in_first_compile == (case in ("own compiled whole", "first traced"))
+    assert len(captured) == 1 and isinstance(captured[0], Graphs)  # handed to the runtime
 
 
 def test_settle_reports_the_search_ahead_or_why_the_steps_searched():

@@ -491,8 +491,8 @@ def test_bf16_runs_keep_dalis_fp16_in_the_input_buffer(tmp_path):
     assert np.abs(img.float().numpy() - want).max() < 2e-2  # fp16 of the normalised pixels
     x = img.permute(0, 3, 1, 2)
     with torch.no_grad(), tr.ex._autocast():
-        got = tr.ex.forward_fn(x)
-        ref = tr.ex.forward_fn(x.to(torch.bfloat16))
+        got = tr.ex.forwards.traced(x)
+        ref = tr.ex.forwards.traced(x.to(torch.bfloat16))
     assert torch.equal(got, ref)
     result = tr.fit()
     assert result.steps == 3 and all(np.isfinite(e["train"]["loss"]) and np.isfinite(e["val"]["loss"])

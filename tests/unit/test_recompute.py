@@ -107,7 +107,7 @@ def test_trainer_compiles_under_the_options(tmp_path):
     pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, recompute="pointwise", precompile=0))
     logs = []
     tr = Trainer(pc, tmp_path, log=logs.append, telemetry=False)
-    assert getattr(tr.ex.forward_fn, "recompute", None) == "pointwise"
+    assert getattr(tr.ex.forwards.traced, "recompute", None) == "pointwise"
     assert any("runtime.recompute=pointwise" in line for line in logs)
     tr.close()
 

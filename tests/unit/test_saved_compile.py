@@ -47,7 +47,7 @@ def test_the_childrens_saved_compiles_load_here_and_step_to_the_same_bits(tmp_pa
             rt = Runtime(pc, log=lambda *_: None, source=False)
             if mode == "saved":
                 for v, p in paths.items():
-                    rt.ex.load_saved_forward(v, p)
+                    rt.forwards.load(v, p)
             _fill_inputs(rt, "train_last")
             rt.ex.train_step("train_last", "A")
             rt.model.eval()
@@ -56,7 +56,7 @@ def test_the_childrens_saved_compiles_load_here_and_step_to_the_same_bits(tmp_pa
             rt.model.train()
             arenas[mode] = rt.arena.arena.clone()
             if mode == "saved":
-                f = rt.ex.saved_forwards["train_last"]
+                f = rt.forwards.saved("train_last")
                 x, _ = rt.ex._model_input(saved_compile_ctx("train_last"))
                 rt.model.eval()
                 with pytest.raises(RuntimeError, match="train_last: called with another input.*training True"):
@@ -137,10 +137,12 @@ def test_a_compile_that_cannot_be_saved_leaves_the_step_to_the_ordinary_compile(
 def test_the_executor_calls_its_ordinary_forward_where_the_recorder_could_not_save(tmp_path, monkeypatch):
     monkeypatch.setattr(saved_compile, "compile_forward", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     rt = Runtime(small_config(), log=lambda *_: None, source=False)
-    rt.ex.recorder = saved_compile.Recorder({"train_base": str(tmp_path / "f")})
+    rec = rt.forwards.record({"train_base": str(tmp_path / "f")})
     x = torch.randn(2, 3, 16, 16)
-    assert rt.ex._forward_of("train_base", x) is rt.ex.forward_fn
-    assert "train_base" not in rt.ex.saved_forwards and "disk full" in rt.ex.recorder.errors["train_base"]
+    assert rt.forwards.for_variant("train_base", x) is rt.forwards.traced
+    assert rt.forwards.saved("train_base") is None and "disk full" in rec.errors["train_base"]
+    got = rt.forwards.report()
+    assert got.served == {"train_base": "traced"} and "disk full" in got.errors["train_base"]
 
 
 def test_saved_compiles_are_used_only_where_the_compile_is_the_ordinary_one(tmp_path, monkeypatch):
@@ -190,7 +192,7 @@ def test_a_saved_compile_that_does_not_load_is_traced_here_instead(tmp_path):
     rep = startup.StartupReport()
     plan.load(rt, "val_base", rep, logs.append)
     plan.load(rt, "val_last", rep, logs.append)  # no file from its child: nothing to do
-    assert rt.ex.saved_forwards == {} and rep.loaded_s == {}
+    assert rt.forwards.report().saved == {} and rep.loaded_s == {}
     assert [ln for ln in logs if ln.startswith("  val_base: its saved compile did not load (")
             and ln.endswith("tracing it here")], logs
     assert len(logs) == 1, logs

@@ -182,10 +182,10 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
     # as a child would: compiled whole and saved on the variant's first step
     child = _runtime(pc1)
     child_file = str(tmp_path / "train_last.forward")
-    child.ex.recorder = saved_compile.Recorder({"train_last": child_file}, child.ex.compile_options)
+    rec = child.forwards.record({"train_last": child_file})
     _fill_inputs(child, "train_last")
     child.ex.train_step("train_last", "A")
-    assert os.path.exists(child_file) and not child.ex.recorder.errors
+    assert os.path.exists(child_file) and not rec.errors
 
     class Pre:  # the precompiler's hand-over: the file its done child wrote
         def saved_forward(self, name):
@@ -199,7 +199,7 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
     plan.pre = Pre()
     rep = StartupReport()
     plan.load(run1, "train_last", rep, logs.append)
-    assert list(rep.loaded_s) == ["train_last"] and "train_last" in run1.ex.saved_forwards
+    assert list(rep.loaded_s) == ["train_last"] and run1.forwards.saved("train_last") is not None
     _fill_inputs(run1, "train_last")
     run1.ex.train_step("train_last", "A")
     plan.keep(run1, rep, logs.append)
@@ -225,7 +225,9 @@ def test_a_compile_kept_by_one_run_is_loaded_by_the_next_and_steps_to_the_traced
         _fill_inputs(rt, "train_last")
         rt.ex.train_step("train_last", "A")
         if mode == "kept":
-            assert "train_last" in rt.ex.saved_forwards and rt.ex.saved_mismatch == {}
+            got = rt.forwards.report()
+            assert got.saved == {"train_last": "loaded"} and got.mismatched == {}
+            assert got.served == {"train_last": "loaded"}
             plan.keep(rt, rep, logs.append)
             assert rep.kept == [] and rep.from_store == ["train_last"]  # nothing new to keep
         arenas[mode] = rt.arena.arena.clone()
@@ -253,16 +255,16 @@ def test_a_variant_compiled_whole_here_is_kept_and_the_next_run_loads_it_on_a_th
 
     class Job:  # the search ahead, waiting for the end of the first compile
         def compiled(self):
-            told.append(dict(own.ex.saved_forwards))
+            told.append(own.forwards.report().saved)
 
     # as get_ready sets it up
-    own.ex.recorder = saved_compile.Recorder({v: None for v in plan.whole}, own.ex.compile_options,
-                                             on_compiled=Job().compiled)
+    rec = own.forwards.record({v: None for v in plan.whole}, on_compiled=Job().compiled)
     _fill_inputs(own, "train_last")
     own.ex.train_step("train_last", "A")
     # told once, after the compile and before its code ran (the step had not used it yet)
-    assert told == [{}] and not own.ex.recorder.errors
-    assert isinstance(own.ex.saved_forwards["train_last"], saved_compile.SavedForward)
+    assert told == [{}] and not rec.errors
+    assert isinstance(own.forwards.saved("train_last"), saved_compile.SavedForward)
+    assert own.forwards.report().served == {"train_last": "compiled whole"}
     rep = StartupReport()
     plan.keep(own, rep, logs.append)
     assert rep.kept == ["train_last"] and rep.store_write_s > 0  # only the variant that stepped
@@ -292,7 +294,7 @@ def test_a_variant_compiled_whole_here_is_kept_and_the_next_run_loads_it_on_a_th
     assert rep.loaded_s["train_last"] >= 0 and len(threads) == 1  # not loaded a second time
     _fill_inputs(nxt, "train_last")
     nxt.ex.train_step("train_last", "A")
-    assert nxt.ex.saved_mismatch == {}
+    assert nxt.forwards.report().mismatched == {}
     plan.keep(nxt, rep, logs.append)
     assert rep.kept == [] and rep.preloaded == ["train_last"] and rep.from_store == ["train_last"]
     arenas["kept"] = nxt.arena.arena.clone()
@@ -381,7 +383,7 @@ def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path
     assert list(plan.kc.found) == ["val_base"] and "val_base" not in plan.whole
     rep = StartupReport()
     plan.load(rt, "val_base", rep, logs.append)
-    assert rt.ex.saved_forwards == {} and plan.kc.from_store == [] and rep.loaded_s == {}
+    assert rt.forwards.report().saved == {} and plan.kc.from_store == [] and rep.loaded_s == {}
     assert store.find(key) is None  # the next run compiles it again
     assert any(ln.startswith("  val_base: the compile kept by an earlier run did not load (")
                and ln.endswith("compiling it here (and dropping that file)") for ln in logs), logs
@@ -394,7 +396,7 @@ def test_a_kept_compile_that_does_not_load_is_dropped_and_compiled_here(tmp_path
     assert isinstance(plan.kc._preloaded["val_base"][0], Exception)
     rep = StartupReport()
     plan.load(rt, "val_base", rep, logs.append)
-    assert rt.ex.saved_forwards == {} and plan.kc.preloaded == [] and plan.kc._preloaded == {}
+    assert rt.forwards.report().saved == {} and plan.kc.preloaded == [] and plan.kc._preloaded == {}
     assert rep.loaded_s == {} and store.find(key) is None
     assert any(ln.startswith("  val_base: the compile kept by an earlier run did not load (")
                for ln in logs), logs
@@ -418,11 +420,13 @@ def test_a_kept_compile_made_for_another_input_is_not_called_and_is_dropped(tmp_
     plan = _plan(rt, monkeypatch, logs)
     rep = StartupReport()
     plan.load(rt, "train_base", rep, logs.append)
-    assert rt.ex.saved_forwards["train_base"] is wrong and "train_base" in rep.loaded_s
+    assert rt.forwards.saved("train_base") is wrong and "train_base" in rep.loaded_s
     assert plan.kc.from_store == ["train_base"]
     x = torch.randn(32, 3, 16, 16)
-    assert rt.ex._forward_of("train_base", x) is rt.ex.forward_fn and calls == []
-    assert rt.ex.saved_mismatch == {"train_base": "shape (2, 3, 16, 16) (compiled) against (32, 3, 16, 16)"}
+    assert rt.forwards.for_variant("train_base", x) is rt.forwards.traced and calls == []
+    got = rt.forwards.report()
+    assert got.mismatched == {"train_base": "shape (2, 3, 16, 16) (compiled) against (32, 3, 16, 16)"}
+    assert got.saved == {} and got.served == {"train_base": "traced"}
     plan.keep(rt, rep, logs.append)
     assert rep.from_store == [] and rep.loaded_s == {} and kc.store.find(key) is None
     assert "  train_base: its saved compile was made for another input (shape (2, 3, 16, 16) (compiled) " \

@@ -84,16 +84,21 @@ def twin_series(pc: PlanConfig) -> tuple[str, ...]:
     return tuple(s)
 
 
-def fused_update_reads_16bit(pc: PlanConfig, fused: bool | None = None) -> bool:
-    """Whether the weight update will read the 16-bit matrix gradients itself (AMP with the
-    fused kernels), so that the fp32 matrix gradient regions stay empty. ``fused``: whether the
-    run uses the fused kernels (the trainer knows; ``None``: as ``runtime.kernels`` says for a
-    run on ``runtime.device``, ``auto`` counting as a CUDA machine with Triton, as tr-plan
-    assumes)."""
+def fused_kernels_used(pc: PlanConfig, fused: bool | None = None) -> bool:
+    """Whether a run of ``pc`` uses the fused kernels: ``fused`` (the trainer knows), or for
+    ``None`` as ``runtime.kernels`` says for a run on ``runtime.device``, ``auto`` counting as a
+    CUDA machine with Triton, as tr-plan assumes."""
     if fused is None:
         k = pc.runtime.kernels
         fused = k == "triton" or (k == "auto" and pc.runtime.device != "cpu")
-    return pc.amp and fused
+    return fused
+
+
+def fused_update_reads_16bit(pc: PlanConfig, fused: bool | None = None) -> bool:
+    """Whether the weight update will read the 16-bit matrix gradients itself (AMP with the
+    fused kernels: ``fused_kernels_used``), so that the fp32 matrix gradient regions stay
+    empty."""
+    return pc.amp and fused_kernels_used(pc, fused)
 
 
 def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -> MemoryPlan:
@@ -159,8 +164,10 @@ def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
 
 def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     """Everything decided before the first step: runs on the meta device, needs no GPU.
-    ``fused``: whether the run will use the fused kernels (see ``fused_update_reads_16bit``)."""
+    ``fused``: whether the run will use the fused kernels (see ``fused_kernels_used``); the
+    step program is then the one they run (``fusion.fuse_updates``)."""
     from tr_hydra.compiler import tuning
+    from tr_hydra.compiler.fusion import fuse_updates
     from tr_hydra.compiler.program import build_program
 
     meta_model = instantiate_model(pc, "meta")
@@ -178,5 +185,6 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
                                 recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}
     compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice, blas=uses_blas(meta_model))
-    compiled.program = build_program(compiled)
+    program = build_program(compiled)
+    compiled.program = fuse_updates(program) if fused_kernels_used(pc, fused) else program
     return compiled

@@ -28,9 +28,6 @@ class GraphId(enum.Enum):
 
 
 class RangeOp(enum.Enum):
-    RANGE_H2D_COPY_A = "RANGE_H2D_COPY_A"
-    RANGE_H2D_COPY_B = "RANGE_H2D_COPY_B"
-    RANGE_BN_STATS_ALLREDUCE = "RANGE_BN_STATS_ALLREDUCE"
     RANGE_UPDATE_BIAS_SGD = "RANGE_UPDATE_BIAS_SGD"
     RANGE_UPDATE_BIAS_MOMENTUM = "RANGE_UPDATE_BIAS_MOMENTUM"
     RANGE_UPDATE_BIAS_NESTEROV = "RANGE_UPDATE_BIAS_NESTEROV"
@@ -42,12 +39,10 @@ class RangeOp(enum.Enum):
     RANGE_UPDATE_WEIGHT_ADAMW = "RANGE_UPDATE_WEIGHT_ADAMW"
     RANGE_UPDATE_WEIGHT_LARS = "RANGE_UPDATE_WEIGHT_LARS"
     RANGE_EMA_PARAM_UPDATE = "RANGE_EMA_PARAM_UPDATE"
-    RANGE_SEMA_SWITCH = "RANGE_SEMA_SWITCH"
     RANGE_CLEAR = "RANGE_CLEAR"
     RANGE_D2D_COPY = "RANGE_D2D_COPY"
     RANGE_CAST_FP32_TO_FP16 = "RANGE_CAST_FP32_TO_FP16"
     RANGE_CAST_FP16_TO_FP32 = "RANGE_CAST_FP16_TO_FP32"
-    RANGE_SUM_ALLREDUCE = "RANGE_SUM_ALLREDUCE"
     RANGE_MEAN_ALLREDUCE = "RANGE_MEAN_ALLREDUCE"
     RANGE_CHECK_NAN = "RANGE_CHECK_NAN"
     RANGE_GRAD_SCALING = "RANGE_GRAD_SCALING"
@@ -60,6 +55,11 @@ class RangeOp(enum.Enum):
 Span = tuple[Region, Region]
 
 
+def span_name(span: Span) -> str:
+    a, b = span
+    return f"{a.name}..{b.name}" if a != b else a.name
+
+
 @dataclass(frozen=True)
 class Node:
     graph_id: GraphId
@@ -67,6 +67,8 @@ class Node:
     spans: tuple[Span, ...] = ()     # RANGE: the spans it reads/writes, dst first
     args: tuple[tuple[str, str], ...] = ()  # scalar names / flags the op takes
     note: str = ""
+    # what a fusion pass (``compiler.fusion``) merged into the node: (key, span) each
+    fused: tuple[tuple[str, Span], ...] = ()
 
     @property
     def is_range(self) -> bool:
@@ -75,8 +77,11 @@ class Node:
     def arg(self, key: str, default: str | None = None) -> str | None:
         return dict(self.args).get(key, default)
 
+    def fused_spans(self, key: str) -> list[Span]:
+        return [s for k, s in self.fused if k == key]
+
     def describe(self) -> str:
-        spans = "  ".join(f"{a.name}..{b.name}" if a != b else a.name for a, b in self.spans)
+        spans = "  ".join([span_name(s) for s in self.spans] + [f"{k}={span_name(s)}" for k, s in self.fused])
         kind = "RANGE  " if self.is_range else "COMPUTE"
         extra = f"  ({self.note})" if self.note else ""
         return f"{self.graph_id.value:<15} {kind} {self.op:<30} {spans}{extra}"
@@ -111,15 +116,14 @@ class StepProgram:
 
 
 def build_program(compiled) -> StepProgram:
+    """The step program of ``compiled``, one range op per node (``fusion.fuse_updates`` merges
+    some for the fused kernels)."""
     pc = compiled.config
     amp, fp16 = pc.amp, pc.amp and pc.amp_dtype == "fp16"
     opt = pc.optimizer.name
     g_bias, g_mat = series_span("G", BIAS_KINDS), series_span("G", MATRIX_KINDS)
     w_bias, w_mat = series_span("W", BIAS_KINDS), series_span("W", MATRIX_KINDS)
     state = pc.conditions.state_series
-    # AMP with the fused kernels: the plan leaves the fp32 matrix gradients out; the update reads
-    # the 16-bit ones (unscaling fp16) in place of the cast below
-    g16_read = amp and not compiled.plan.conditions.matrix_grads_fp32
 
     # training-mode BatchNorm updates its running statistics in place in the forward, before
     # the step knows whether it will be skipped: they are copied aside first and put back when
@@ -154,9 +158,7 @@ def build_program(compiled) -> StepProgram:
     if amp:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_CAST_FP16_TO_FP32.value,
                       (g_mat, series_span("G16", MATRIX_KINDS)),
-                      args=(("scale", "inv_loss_scale" if fp16 else ""),),
-                      note=("no pass of its own: the weight update reads the 16-bit gradients; "
-                            "the fp32 side is empty") if g16_read else ""))
+                      args=(("scale", "inv_loss_scale" if fp16 else ""),)))
     if fp16:
         t.append(Node(GraphId.UNSCALE_CAST, RangeOp.RANGE_GRAD_SCALING.value,
                       ((R.G_BN_BIAS, R.G_FC_BIAS),), args=(("scale", "inv_loss_scale"),),
@@ -195,8 +197,7 @@ def build_program(compiled) -> StepProgram:
     if opt == "lars":
         wspans += (series_span("N", MATRIX_KINDS),)
     t.append(Node(GraphId.OPTIMIZER, weight_op.value, wspans, args=(("wd", "weight_decay"),) + gate,
-                  note="fc weight, first conv, deep convs"
-                  + ("; gradients read from G_FC_WEIGHT_FP16..G_DEEP_CONV_FP16" if g16_read else "")))
+                  note="fc weight, first conv, deep convs"))
     if fp16:
         t.append(Node(GraphId.OPTIMIZER, RangeOp.RANGE_GRAD_SCALING.value, (),
                       args=(("update", "loss_scale"),), note="back off on inf, grow after clean steps"))

@@ -11,6 +11,7 @@ import torch
 
 from tr_hydra.compiler.compile import Compiled, compile_plan, device_type_of, inductor_wanted, instantiate_model
 from tr_hydra import internals
+from tr_hydra.internals.compile import inductor_map
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.arena import ArenaKeeper
@@ -18,6 +19,7 @@ from tr_hydra.memory.dtensor import DType
 from tr_hydra.runtime import distributed
 from tr_hydra.runtime.executor import StepExecutor, fused_kernels, loss_and_metrics
 from tr_hydra.runtime.feeder import Feeder
+from tr_hydra.runtime.forwards import Forwards
 from tr_hydra.runtime.model_prep import load_init, prepare
 
 
@@ -65,7 +67,6 @@ class Runtime:
             load_init(model, pc.model.init_from)
         model = model.to(self.device).to(memory_format=torch.channels_last)
         self.inductor = inductor_wanted(pc, self.device.type)
-        self.forward_dropped = False
         self.prepared = prepare(model, self.compiled.model_map.first_convs, self.device, pc.amp,
                                 pc.runtime.compile, pc.runtime.deterministic, self.log)
         self.model = model
@@ -76,29 +77,37 @@ class Runtime:
         half = torch.float16 if pc.amp_dtype == "fp16" else torch.bfloat16
         self.arena = ArenaKeeper(self.compiled.plan, self.device, half)
         self.arena.bind(model, pc.amp, pc.ema)
-        forward = self._compiled_forward(model) if self.inductor else model
+        forward, dropped = self._compiled_forward(model) if self.inductor else (model, False)
         if not self.inductor:
             for key, on in ((f"runtime.recompute={pc.runtime.recompute}", pc.runtime.recompute != "none"),
                             ("runtime.inductor_options", bool(pc.runtime.inductor_options))):
                 if on:
                     self.log(f"{key} has no effect without Inductor (runtime.compile)")
-        self.ex = StepExecutor(self.compiled, self.arena, model, forward, dist_ctx=self.dist,
+        # which compiled forward serves each variant: the one above, or a whole compile startup hands over
+        self.forwards = Forwards(model, forward, inductor_map(pc.runtime), dropped)
+        self.ex = StepExecutor(self.compiled, self.arena, model, self.forwards, dist_ctx=self.dist,
                                compile_loss=self.inductor)
         self.feeder = Feeder(self.ex)
         self.source = self._make_source() if source else None
-        self.graphs = None  # CudaGraphs, once startup has captured the variants
+        self.graphs = None  # CudaGraphs, once startup has captured the variants (``use_graphs``)
+
+    def use_graphs(self, graphs) -> None:
+        """From now on the steps replay ``graphs`` (a ``CudaGraphs`` of every variant); None:
+        they run eagerly."""
+        self.graphs = graphs
 
     def _compiled_forward(self, model):
-        """The model's forward under ``torch.compile`` (``internals.compile``), said in the log."""
+        """The model's forward under ``torch.compile`` (``internals.compile``), said in the log,
+        and whether building it dropped Dynamo's compiled code of an earlier runtime."""
         from tr_hydra.internals import inductor_compat, tuned_kernels
-        from tr_hydra.internals.compile import compile_forward, inductor_map
+        from tr_hydra.internals.compile import compile_forward
         pc = self.pc
         options = inductor_map(pc.runtime)
         self.log(self.compiled.tuning.describe())
         fwd_code = getattr(model.forward, "__code__", None)  # the frame Dynamo compiles
         # a forward without a code object of its own (a partial, a C function): reset Dynamo whole
         codes = (fwd_code, loss_and_metrics.__code__) if fwd_code is not None else ()
-        forward, self.forward_dropped = compile_forward(model, pc.runtime, codes, self.log)
+        forward, dropped = compile_forward(model, pc.runtime, codes, self.log)
         if pc.runtime.inductor_options:
             self.log("runtime.inductor_options: " + ", ".join(f"{k}={v}" for k, v in pc.runtime.inductor_options))
         if internals.is_open() and options.get("coordinate_descent_tuning") and inductor_compat.needed():
@@ -111,7 +120,7 @@ class Runtime:
                      "the others keep Inductor's config")
         if internals.is_open() and pc.runtime.recompute != "none":
             self.log(f"runtime.recompute={pc.runtime.recompute}: pointwise results recomputed in the backward")
-        return forward
+        return forward, dropped
 
     def _make_source(self):
         pc = self.pc

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import Compiled
-from tr_hydra.compiler.program import Node
+from tr_hydra.compiler.fusion import grads_read_16bit
+from tr_hydra.compiler.program import Node, RangeOp
 from tr_hydra.internals.compile import inductor_map
 from tr_hydra.memory.arena import ArenaKeeper
 from tr_hydra.memory.plan import FP32_SCALARS, INT32_SCALARS, RESULT_FIELDS
@@ -24,6 +25,7 @@ from tr_hydra.ops import range_ops as ops
 from tr_hydra.ops.optimizers import HyperScalars
 from tr_hydra import internals
 from tr_hydra.runtime import range_nodes
+from tr_hydra.runtime.forwards import Forwards
 
 R = Region
 BUFFERS = ("A", "B")
@@ -130,21 +132,14 @@ class FoldedBatchNorm(nn.Module):
 
 class StepExecutor:
     def __init__(self, compiled: Compiled, arena: ArenaKeeper, model: nn.Module,
-                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None, dist_ctx=None,
-                 compile_loss: bool = False):
+                 forwards: Forwards | None = None, dist_ctx=None, compile_loss: bool = False):
+        """``forwards``: which compiled forward serves each variant (default: the model itself)."""
         self.c, self.pc, self.plan, self.arena = compiled, compiled.config, compiled.plan, arena
         self.model = model
-        self.forward_fn = forward if forward is not None else model
         # one compiled graph per (variant shape, train/val), made during the warm-up before capture
         # (with runtime.inductor_options and the tuning chosen, as the model's compile)
         options = inductor_map(compiled.config.runtime)
-        self.compile_options = options
-        # a variant's forward (and backward) compiled whole, called in place of ``forward_fn``:
-        # loaded from a parallel compile's file or the saved store, or compiled (and, in a
-        # child, saved) by ``recorder`` (saved_compile.Recorder) on the variant's first step
-        self.saved_forwards: dict[str, Callable] = {}
-        self.recorder = None
-        self.saved_mismatch: dict[str, str] = {}  # per variant: how a loaded compile's input differed
+        self.forwards = forwards if forwards is not None else Forwards(model, options=options)
         self._loss_fn = loss_and_metrics if not compile_loss else \
             torch.compile(loss_and_metrics, dynamic=False, options=options)
         from tr_hydra.runtime.distributed import SINGLE
@@ -167,12 +162,6 @@ class StepExecutor:
         self.result = arena.view(pl["result.step"]).view(-1)
         self.acc = {n: arena.view(pl["result." + n]).view(-1) for n in ("train", "val", "val_ema")}
         self.nonfinite_mask = arena.view(pl["mask.nonfinite_regions"]).view(-1)
-        self._segments = None
-        if self.pc.optimizer.name == "lars":
-            elems = [t.slot_bytes // 4 for k in MATRIX_KINDS for t in pl.tensors_in(R[f"W_{k}"])]
-            self._segments = ops.Segments.from_sizes(elems, self.device)
-        self._bn_eps = self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5
-        self.grad16_sumsq = None  # set by the fused check when the 16-bit gradients are overwritten
         # plan.bn_folded: per BN module's name, what validation runs in its place
         self._folded = {bn.module: FoldedBatchNorm(arena.torch_view(pl["eq_scale." + bn.module]),
                                                    arena.torch_view(pl["eq_bias." + bn.module]))
@@ -185,29 +174,32 @@ class StepExecutor:
         if any(g is None for g in self._grad_views):
             raise ValueError("bind the model to the arena before building its executor")
         self.fused = fused_kernels(self.pc.runtime.kernels, self.device.type)
-        self._half_out, self._fused_away = range_nodes.update_cast_pairs(compiled.program.train, self.fused)
-        self._grad16_in, away = range_nodes.grad_cast_pairs(compiled.program.train, self.fused)
-        self._fused_away |= away
+        program = compiled.program  # as the fusion pass left it for the plan's kernel choice
         if not compiled.plan.conditions.matrix_grads_fp32:
-            left = [n.op for n in compiled.program.train
-                    if n.op == "RANGE_CAST_FP16_TO_FP32" and id(n) not in away]
+            left = [n.op for n in program.train if n.op == RangeOp.RANGE_CAST_FP16_TO_FP32.value]
             if self.fused is None or left:
                 raise RuntimeError("the plan leaves the fp32 matrix gradients out, but this executor "
                                    f"would write them ({'no fused kernels' if self.fused is None else left}); "
                                    "compile the plan with the executor's kernel choice")
-        self.train_ops = [self._resolve(n) for n in compiled.program.train]
-        self.val_ops = [self._resolve(n) for n in compiled.program.val]
-        self.val_prologue_ops = [self._resolve(n) for n in compiled.program.val_prologue]
+        self._binding = range_nodes.Binding(
+            arena=arena, plan=pl, pc=self.pc, s=self.s, h=self.h, result=self.result, acc=self.acc,
+            nonfinite_mask=self.nonfinite_mask, fused=self.fused, dist=self.dist,
+            segments=range_nodes.lars_segments(pl, self.device) if self.pc.optimizer.name == "lars" else None,
+            bn_eps=self.c.model_map.bns[0].eps if self.c.model_map.bns else 1e-5)
+        checks = [range_nodes.check_layout(self._binding, n) for n in program.train
+                  if n.op == RangeOp.RANGE_CHECK_NAN.value]
+        self.check_regions = checks[-1].regions if checks else []  # what nonfinite_report names
+        # the sum of squares of the 16-bit gradients where the step overwrites them (plan.share_grad16)
+        self.grad16_sumsq = checks[-1].grad16_sumsq if checks else None
+        self.train_ops = [self._resolve(n) for n in program.train]
+        self.val_ops = [self._resolve(n) for n in program.val]
+        self.val_prologue_ops = [self._resolve(n) for n in program.val_prologue]
         self.init_scalars()
 
     @property
     def grads_read_16bit(self) -> list[tuple]:
         """(fp32 gradient span left unwritten, the 16-bit span the update reads instead)."""
-        out = []
-        for c in self.c.program.train:
-            if id(c) in self._fused_away and c.op == "RANGE_CAST_FP16_TO_FP32":
-                out.append((c.spans[0], c.spans[1]))
-        return out
+        return grads_read_16bit(self.c.program)
 
     # ------------------------------------------------------------------ views
     def input_views(self, variant: str, buffer: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +266,7 @@ class StepExecutor:
                 step.add_(inc)
                 count.add_(inc.to(torch.int32) if gated else 1)
             return advance
-        return range_nodes.bind(self, n)
+        return range_nodes.bind(self._binding, n)
 
     def nonfinite_report(self) -> str:
         """Where the first non-finite value was seen (read on demand, one host transfer)."""
@@ -288,29 +280,6 @@ class StepExecutor:
     def _model_input(self, ctx: StepContext):
         img, lab = self.input_views(ctx.variant, ctx.buffer)
         return img.permute(0, 3, 1, 2), lab
-
-    def _forward_of(self, variant: str, x: torch.Tensor) -> Callable:
-        """The forward a variant's step calls: its saved compile where it has one, else
-        ``forward_fn``. Called under the step's grad mode and autocast."""
-        f = self.saved_forwards.get(variant)
-        if f is not None and getattr(f, "signature", None) is not None:
-            from tr_hydra.internals.saved_compile import Signature
-            why = f.signature.differs(Signature.of(self.model, x))
-            if why:  # made for another input (a kept file whose key missed a difference): not used
-                self.saved_mismatch[variant] = why
-                del self.saved_forwards[variant]
-                f = None
-        if f is None and self.recorder is not None and variant in self.recorder.paths:
-            f = self.recorder.forward(variant, self.model, x)  # None: it could not (kept in its report)
-            if f is not None:
-                self.saved_forwards[variant] = f
-        return f if f is not None else self.forward_fn
-
-    def load_saved_forward(self, variant: str, path: str) -> None:
-        """Use the compile saved in ``path`` (by a parallel compile's ``recorder``) for
-        ``variant``'s steps."""
-        from tr_hydra.internals import saved_compile
-        self.saved_forwards[variant] = saved_compile.load(path, self.model, variant)
 
     def _autocast(self):
         if not self.amp:
@@ -331,7 +300,7 @@ class StepExecutor:
     def _forward_loss(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with self._autocast():
-            logits = self._forward_of(ctx.variant, x)(x)
+            logits = self.forwards.for_variant(ctx.variant, x)(x)
         self._loss_metrics(ctx, logits, y, train=True)
         ctx.logits = logits
 
@@ -357,7 +326,7 @@ class StepExecutor:
     def _forward_eval(self, ctx: StepContext) -> None:
         x, y = self._model_input(ctx)
         with torch.no_grad(), self._autocast():
-            logits = self._forward_of(ctx.variant, x)(x)
+            logits = self.forwards.for_variant(ctx.variant, x)(x)
             self._loss_metrics(ctx, logits, y, train=False)
 
     # ------------------------------------------------------------------ steps
@@ -422,7 +391,7 @@ class StepExecutor:
                     ops.swap(x, y)
 
     def sema_switch(self) -> None:
-        """RANGE_SEMA_SWITCH: the EMA weights and statistics become the live ones."""
+        """Switch to the EMA (SEMA): the EMA weights and statistics become the live ones."""
         a = self.arena
         with torch.no_grad():
             ops.d2d_copy(a.span(*series_span("W", PARAM_KINDS)), a.span(*series_span("E", PARAM_KINDS)))
@@ -431,8 +400,8 @@ class StepExecutor:
                 ops.cast(a.span(*series_span("A", MATRIX_KINDS)), a.span(*series_span("W", MATRIX_KINDS)))
 
     def sync_bn_stats(self) -> None:
-        """RANGE_BN_STATS_ALLREDUCE: the mean over ranks of the running statistics (and of their
-        EMA twins), before validation and checkpoints."""
+        """The mean over ranks of the running statistics (and of their EMA twins), before
+        validation and checkpoints."""
         if not self.dist.backend:
             return
         from tr_hydra.runtime.distributed import all_reduce_mean

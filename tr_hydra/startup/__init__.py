@@ -135,7 +135,7 @@ class _Plan:
         child, put in place of the traced forward (one line if it does not load: the variant is
         then compiled here)."""
         if self.kc is not None and v in self.kc.found:
-            secs = self.kc.load(rt.ex, v)
+            secs = self.kc.load(rt.forwards, v)
             if secs is not None:
                 rep.loaded_s[v] = secs
             return
@@ -144,7 +144,7 @@ class _Plan:
             return
         t = time.perf_counter()
         try:
-            rt.ex.load_saved_forward(v, path)
+            rt.forwards.load(v, path)
         except Exception as e:  # noqa: BLE001 - Inductor's caches still hold its code
             log(f"  {v}: its saved compile did not load ({type(e).__name__}: {str(e)[:160]}); tracing it here")
             return
@@ -152,21 +152,21 @@ class _Plan:
 
     def keep(self, rt, rep: StartupReport, log) -> None:
         """After the capture: keep this run's compiles in the store (see ``KeptCompiles.keep``)."""
-        for v, why in rt.ex.saved_mismatch.items():
+        got = rt.forwards.report()
+        for v, why in got.mismatched.items():
             log(f"  {v}: its saved compile was made for another input ({why}); compiled here instead")
             rep.loaded_s.pop(v, None)
             if self.kc is not None:
                 self.kc.forget(v)
         if self.kc is None:
             return
-        rec = rt.ex.recorder if self.whole else None
         compiled = {}
-        if rec is not None:
-            for v, why in rec.errors.items():
+        if self.whole:  # recorded by get_ready (``Forwards.record``)
+            for v, why in got.errors.items():
                 log(f"saved store: {v} could not be compiled whole here ({why.splitlines()[0]}); "
                     f"traced as usual, not kept")
-            compiled = {v: f for v, f in rec.compiled.items() if v not in rt.ex.saved_mismatch}
-            rep.whole_compile_s = {v: t for v, t in rec.seconds.items() if v in self.whole}
+            compiled = got.compiled
+            rep.whole_compile_s = {v: t for v, t in got.seconds.items() if v in self.whole}
         files = {v: p for v in rep.loaded_s if self.pre is not None and (p := self.pre.saved_forward(v))}
         self.kc.keep(compiled, files)
         self.kc.trim()
@@ -205,8 +205,9 @@ def warm_up_hooks(beat, pick, pre: Precompiler | None, load):
 
 
 def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
-    """Every variant of ``rt`` compiled and captured (see the module's text); ``rt.graphs`` is
-    set. ``launcher``: ``start``'s, taken over (closed here)."""
+    """Every variant of ``rt`` compiled and captured (see the module's text); ``rt``'s steps
+    replay the graphs from then on (``Runtime.use_graphs``). ``launcher``: ``start``'s, taken
+    over (closed here)."""
     import torch
     from tr_hydra.startup import cudnn
     rep = StartupReport()
@@ -234,16 +235,15 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
     pre = plan.pre
     rep.own = plan.own
     rep.phases["start_children"] = time.perf_counter() - t0
-    ahead = None
+    ahead = rec = None
     # a line every 30 s while the search, a variant's compile or the wait for a parallel one
     # goes on: the first compile alone is 40-60 s on the H200, and nothing else is said
     beat = Heartbeat(log, extra=pre.running_note if pre else None)
     try:
         first = plan.own or (train_v + val_v)[0]
         if plan.whole:  # compiled whole here, to be kept
-            from tr_hydra.internals.saved_compile import Recorder
-            rt.ex.recorder = Recorder({v: None for v in plan.whole}, rt.ex.compile_options,
-                                      on_compiled=lambda: ahead is not None and ahead.compiled())
+            rec = rt.forwards.record({v: None for v in plan.whole},
+                                     on_compiled=lambda: ahead is not None and ahead.compiled())
         if not (plan.kc and first in plan.kc.found):  # else no compile comes before its convolutions
             ahead = cudnn.search_ahead(rt, first in plan.whole, log, rep.phases)
         if ahead is None:
@@ -266,7 +266,7 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
         with _flush_fit(rt) as flush, beat:
             graphs.capture(train_v, val_v, pc.runtime.warmup_steps, before_variant=before_variant,
                            next_variant=next_variant, before_capture=settle)
-        rt.graphs = graphs
+        rt.use_graphs(graphs)
         plan.keep(rt, rep, log)
         _say_loads(rep, log)
         if flush is not None:
@@ -275,13 +275,13 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
                 log(flush.line())
     except torch.cuda.OutOfMemoryError:
         from tr_hydra.runtime.guards import MemoryPlanError, capture_oom_message
-        rt.graphs = None
+        rt.use_graphs(None)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(rt.device)
         raise MemoryPlanError(capture_oom_message(rt.compiled, free, str(rt.device))) from None
     finally:
-        if rt.ex.recorder is not None and plan.whole:
-            rt.ex.recorder.on_compiled = None
+        if rec is not None:  # its callback holds this startup's search ahead
+            rec.on_compiled = None
         if ahead is not None:  # the capture failed: its error is the one raised
             try:
                 ahead.close()

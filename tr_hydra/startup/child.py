@@ -47,9 +47,7 @@ def main(argv: list[str], sent: float | None = None) -> int:
     # cuDNN's algorithm search is the training process's to do (it times on the shared GPU);
     # the compiled code does not depend on it (cudnn.benchmark is not in Inductor's cache key)
     torch.backends.cudnn.benchmark = False
-    if save_to:
-        from tr_hydra.internals.saved_compile import Recorder
-        rt.ex.recorder = Recorder({name: save_to}, rt.ex.compile_options)
+    rec = rt.forwards.record({name: save_to}) if save_to else None
     if split == "train":
         rt.ex.train_step(name, "A")
     else:
@@ -62,7 +60,7 @@ def main(argv: list[str], sent: float | None = None) -> int:
     out = dict(cache_counts(), variants=[name], start_s=round(max(0.0, t_start - sent), 2) if sent else None,
                import_s=round(t_import - t0, 3), trainer_s=round(t_runtime - t_import, 3),
                step_s=round(t_end - t_runtime, 3), phases_s=phase_totals(), timers_s=compile_timers(0.1, 30),
-               **(rt.ex.recorder.report() if save_to else {}), done_at=time.time())
+               **(rec.report() if rec is not None else {}), done_at=time.time())
     print(json.dumps(out), flush=True)
     return 0
 

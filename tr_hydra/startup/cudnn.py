@@ -368,7 +368,7 @@ def search_ahead(rt, whole_first: bool, log=print, phases: dict | None = None) -
     recorder tells the job: ``BeforeFirstRun.compiled``), so a compile is sure to come."""
     if not rt.inductor or not can_search_ahead():
         return None
-    if rt.forward_dropped:  # its compiled code was dropped: a compile will come
+    if rt.forwards.dropped:  # its compiled code was dropped: a compile will come
         _COMPILED_FORWARDS.clear()
     if not whole_first:
         code = getattr(type(rt.model).forward, "__code__", None)

@@ -270,18 +270,19 @@ class KeptCompiles:
         finally:
             th.join()
 
-    def load(self, ex, v: str) -> float | None:
-        """Put the kept compile of ``v`` into ``ex``'s saved forwards; the seconds it took here,
-        or None if it did not load (the file is dropped and the variant compiled here)."""
+    def load(self, forwards, v: str) -> float | None:
+        """Put the kept compile of ``v`` in place for its steps (``forwards``: the runtime's
+        ``Forwards``); the seconds it took here, or None if it did not load (the file is dropped
+        and the variant compiled here)."""
         t = time.perf_counter()
         got = self._preloaded.pop(v, None)
         try:
             if got is None:
-                ex.saved_forwards[v] = load(self.found[v], ex.model, v)
+                forwards.use(v, load(self.found[v], forwards.model, v))
             elif isinstance(got[0], BaseException):
                 raise got[0]
             else:
-                ex.saved_forwards[v] = got[0]
+                forwards.use(v, got[0])
                 t -= got[1]  # its load, on the thread
                 self.preloaded.append(v)
         except Exception as e:  # noqa: BLE001 - the ordinary compile still works
