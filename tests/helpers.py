@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig, RuntimeSpec,
-                                         TrainerSpec, make_variants)
+from tr_hydra.config.epochs import make_variants
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.config.specs import DataSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec
 
 
 def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_size=60, batch=32,

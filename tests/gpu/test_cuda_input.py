@@ -55,7 +55,7 @@ def test_training_on_shards_with_graphs_equals_the_folder(tmp_path, decode):
     images under max_side, so the shards hold the folder's bytes, fed in the folder's order;
     deterministic, the two runs end with the same weights."""
     import dataclasses
-    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.config.specs import DataSpec
     from tr_hydra.data.prepare import Settings, prepare
     make_folder(tmp_path / "data", fmt="JPEG", per_class=(6, 5, 5), size=20)
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",

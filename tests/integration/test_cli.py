@@ -97,7 +97,7 @@ def test_tr_train_writes_loadable_weights(tmp_path):
 def test_init_from_starts_from_given_weights(tmp_path):
     from tests.helpers import small_config
     from tr_hydra.compiler.compile import instantiate_model
-    from tr_hydra.config.plan_config import ModelSpec
+    from tr_hydra.config.specs import ModelSpec
     from tr_hydra.train.trainer import Trainer
     torch.manual_seed(123)
     pc = small_config()

@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers import small_config
 from tests.integration.test_cli import run
-from tr_hydra.config.plan_config import TrainerSpec
+from tr_hydra.config.specs import TrainerSpec
 from tr_hydra.errors import ConfigError, DiskError
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train.trainer import Trainer

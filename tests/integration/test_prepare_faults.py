@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.unit.test_data import make_folder
-from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.config.specs import DataSpec
 from tr_hydra.errors import ConfigError
 
 

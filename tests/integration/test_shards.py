@@ -20,7 +20,7 @@ from PIL import Image
 from tests.helpers import fit_stop_resume
 from tests.integration.test_cli import ENV, _cli
 from tests.unit.test_data import folder_config, make_folder
-from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.config.specs import DataSpec
 
 DIGITS_AS_SHARDS = ["data.num_classes=10", "data.image_size=32", "data.mean=[0,0,0]", "data.std=[255,255,255]",
                     "data.crop_scale=[0.6,1.0]", "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]

@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tr_hydra.config.plan_config import DataSpec, TrainerSpec
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import DataSpec, TrainerSpec
 from tr_hydra.data.dali_source import DaliSource, DataError, dali_threads
 from tr_hydra.data.index import epoch_order
 from tr_hydra.errors import ConfigError
-from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import fit_stop_resume, small_config
@@ -265,7 +265,7 @@ def _draw(src, plan):
 
 
 def _plan(pc, epochs):
-    from tr_hydra.runtime.schedule import epoch_schedule
+    from tr_hydra.config.epochs import epoch_schedule
     return [(e, i, size, pc.variant(v).res) for e in epochs for v, i, size in epoch_schedule(pc, e)]
 
 

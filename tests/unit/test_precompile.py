@@ -63,7 +63,7 @@ def test_children_of_a_ddp_rank_join_no_process_group(monkeypatch):
     """Under torchrun the children inherit RANK, WORLD_SIZE and MASTER_ADDR; they must build the
     rank's plan (its world size) without joining the group, or they would hang it."""
     import dataclasses
-    from tr_hydra.config.plan_config import DistSpec
+    from tr_hydra.config.specs import DistSpec
     for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
                  ("MASTER_PORT", "1")):
         monkeypatch.setenv(k, v)

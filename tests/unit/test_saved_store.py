@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tr_hydra import startup
-from tr_hydra.config.plan_config import OptimizerSpec, RuntimeSpec, TrainerSpec
+from tr_hydra.config.specs import OptimizerSpec, RuntimeSpec, TrainerSpec
 from tr_hydra.internals import saved_compile
 from tr_hydra.startup import store as st
 from tr_hydra.startup.report import StartupReport

@@ -5,7 +5,6 @@ Nothing in here refers to Hydra; tests and tools may build a PlanConfig by hand.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -13,47 +12,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tr_hydra.config import objective, schema
+from tr_hydra.config.epochs import VariantSpec, make_variants
+from tr_hydra.config.specs import (DataSpec, DistSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec,
+                                   frozen, plain)
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.conditions import PlanConditions
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, enum.Enum):
-        return v.value
-    if isinstance(v, (list, tuple)):
-        return tuple(_plain(x) for x in v)
-    return v
-
-
-def _spec_of(schema_cls, name: str, **defaults) -> type:
-    """The frozen, hashable twin of a schema dataclass (``config.schema``, where each option is
-    declared): the same fields and defaults, enums as their values, lists as tuples;
-    ``defaults`` replace a field's default. A class of this module, so a PlanConfig pickles (the
-    parallel compiles receive one)."""
-    fs = []
-    for f in fields(schema_cls):
-        d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        fs.append((f.name, Any, field(default=_plain(defaults.get(f.name, d)))))
-    cls = dataclasses.make_dataclass(name, fs, frozen=True)
-    cls.__module__, cls.__qualname__ = __name__, name
-    return cls
-
-
-ModelSpec = _spec_of(schema.ModelConfig, "ModelSpec")
-OptimizerSpec = _spec_of(schema.OptimizerConfig, "OptimizerSpec")
-DataSpec = _spec_of(schema.DataConfig, "DataSpec")
-TrainerSpec = _spec_of(schema.TrainerConfig, "TrainerSpec")
-# Inductor's options as sorted (name, value) pairs, so the spec stays hashable; dict(...) gives them back
-RuntimeSpec = _spec_of(schema.RuntimeConfig, "RuntimeSpec", inductor_options=())
-DistSpec = _spec_of(schema.DistConfig, "DistSpec")
-
-
-@dataclass(frozen=True)
-class VariantSpec:
-    name: str       # train_base, train_last, train_lowres, train_lowres_last, val_base, val_last
-    train: bool
-    batch: int
-    res: int
 
 
 @dataclass(frozen=True)
@@ -134,33 +97,6 @@ class PlanConfig:
             "world_size": self.world_size,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
-                  base_res: int, lowres_res: int, lowres_epochs: int, val_res: int,
-                  drop_last: bool) -> tuple[VariantSpec, ...]:
-    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists."""
-    if batch_size > train_size:
-        raise ConfigError(f"variants.batch_size={batch_size} exceeds the training set size "
-                          f"({train_size}); use a batch of at most {train_size}")
-    rem = 0 if drop_last else train_size % batch_size
-    out = [VariantSpec("train_base", True, batch_size, base_res)]
-    if rem:
-        out.append(VariantSpec("train_last", True, rem, base_res))
-    if lowres_epochs > 0:
-        out.append(VariantSpec("train_lowres", True, batch_size, lowres_res))
-        if rem:
-            out.append(VariantSpec("train_lowres_last", True, rem, lowres_res))
-    vb = min(val_batch_size, val_size)
-    if vb > 0:
-        out.append(VariantSpec("val_base", False, vb, val_res))
-        if val_size % vb:
-            out.append(VariantSpec("val_last", False, val_size % vb, val_res))
-    return tuple(out)
-
-
-def _freeze(spec_cls, obj) -> Any:
-    return spec_cls(**{f.name: _plain(getattr(obj, f.name)) for f in fields(spec_cls)})
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -288,13 +224,13 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     if isinstance(cfg, DictConfig):
         refuse_added_keys(cfg, schema.Config)
         cfg = OmegaConf.to_object(cfg)
-    model = _freeze(ModelSpec, cfg.model)
-    opt = _freeze(OptimizerSpec, cfg.optimizer)
-    data = _freeze(DataSpec, cfg.data)
-    trainer = _freeze(TrainerSpec, cfg.trainer)
-    runtime = _freeze(RuntimeSpec, cfg.runtime)
+    model = frozen(ModelSpec, cfg.model)
+    opt = frozen(OptimizerSpec, cfg.optimizer)
+    data = frozen(DataSpec, cfg.data)
+    trainer = frozen(TrainerSpec, cfg.trainer)
+    runtime = frozen(RuntimeSpec, cfg.runtime)
     runtime = dataclasses.replace(runtime, inductor_options=inductor_options(cfg.runtime.inductor_options))
-    dspec = _freeze(DistSpec, cfg.dist)
+    dspec = frozen(DistSpec, cfg.dist)
     if world_size is None:
         world_size = 1
         if dspec.mode == "ddp":
@@ -383,7 +319,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
                       dist=dspec, world_size=world_size,
                       variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
-                      amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
+                      amp=bool(cfg.amp), amp_dtype=plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
                       bn_folded=bool(cfg.plan.bn_folded),
                       share_grad16=bool(cfg.plan.share_grad16), seed=int(cfg.seed),

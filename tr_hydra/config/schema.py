@@ -1,5 +1,5 @@
 """Dataclass schemas behind every config group, registered in Hydra's ConfigStore: the one
-declaration of every option (``plan_config`` derives its frozen specs from these).
+declaration of every option (``specs`` derives their frozen twins from these).
 
 The primary config lists ``tr_hydra_schema`` first in its defaults, so every group file is merged
 into a typed node: a wrong type, an unknown key or an unknown enum value fails at compose time.

@@ -13,7 +13,8 @@ import torch
 from tr_hydra import startup
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.errors import DiskError, disk_error
-from tr_hydra.runtime.schedule import epoch_schedule, lr_at, val_schedule
+from tr_hydra.config.epochs import epoch_schedule, val_schedule
+from tr_hydra.runtime.schedule import lr_at
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train import health, tally
 from tr_hydra.train import summary as sm
