@@ -1,8 +1,11 @@
 """A run's epochs as steps: the variants (compiled shapes) its schedule needs, and which variant,
-batch and size each step of an epoch and of a validation pass takes."""
+batch and size each step of an epoch and of a validation pass takes. The one place that decides
+it: the trainer runs it, the tuning counts it (``compiler/tuning.py``), the data sources decode
+ahead along it (``data/dali_source.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tr_hydra.errors import ConfigError
 
@@ -13,6 +16,15 @@ class VariantSpec:
     train: bool
     batch: int
     res: int
+
+
+class Epochs(Protocol):
+    """What a schedule is read from: a ``PlanConfig``, or a data source's ``SourceSpec``."""
+    variants: tuple[VariantSpec, ...]
+    train_size: int     # per rank
+    val_size: int
+    batch_size: int
+    lowres_epochs: int
 
 
 def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
@@ -38,25 +50,35 @@ def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_
     return tuple(out)
 
 
-def epoch_schedule(p, epoch: int) -> list[tuple[str, int, int]]:
-    """(variant, batch index, batch size) of every step of an epoch, in order (``p``: a
-    ``PlanConfig``)."""
+def _variant(p: Epochs, name: str) -> VariantSpec | None:
+    return next((v for v in p.variants if v.name == name), None)
+
+
+def train_variants(p: Epochs, epoch: int) -> tuple[str, str | None]:
+    """The variants ``epoch`` trains: its full batches' and its partial last batch's (None where
+    the epoch has none); the low-resolution ones in the first ``lowres_epochs``."""
     low = epoch < p.lowres_epochs
     base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
+    return base, (last if _variant(p, last) is not None else None)
+
+
+def epoch_schedule(p: Epochs, epoch: int) -> list[tuple[str, int, int]]:
+    """(variant, batch index, batch size) of every step of an epoch, in order."""
+    base, last = train_variants(p, epoch)
     full = p.train_size // p.batch_size
     steps = [(base, i, p.batch_size) for i in range(full)]
-    if p.has_variant(last):
-        steps.append((last, full, p.variant(last).batch))
+    if last is not None:
+        steps.append((last, full, _variant(p, last).batch))
     return steps
 
 
-def val_schedule(p) -> list[tuple[str, int, int]]:
+def val_schedule(p: Epochs) -> list[tuple[str, int, int]]:
     """(variant, batch index, batch size) of every validation step; the partial last batch is
     val_last's."""
-    if not p.has_variant("val_base"):
+    base, last = _variant(p, "val_base"), _variant(p, "val_last")
+    if base is None:
         return []
-    vb = p.variant("val_base").batch
-    steps = [("val_base", i, vb) for i in range(p.val_size // vb)]
-    if p.has_variant("val_last"):
-        steps.append(("val_last", len(steps), p.variant("val_last").batch))
+    steps = [("val_base", i, base.batch) for i in range(p.val_size // base.batch)]
+    if last is not None:
+        steps.append(("val_last", len(steps), last.batch))
     return steps

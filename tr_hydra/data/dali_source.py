@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tr_hydra.config.epochs import train_variants
 from tr_hydra.config.plan_config import PlanConfig
 from tr_hydra.data.decoder_noise import DecoderNoiseFilter, native_stderr_kept_on_success
 from tr_hydra.data.index import SplitIndex, check_labels, epoch_order, load_arrays, scan_imagefolder
@@ -322,7 +323,7 @@ class DaliSource:
         return self._replace_bad(split, self.order(split, epoch)[index * batch:(index + 1) * batch])
 
     def _train_res(self, epoch: int) -> int:
-        return self.pc.variant("train_lowres" if epoch < self.pc.lowres_epochs else "train_base").res
+        return self.pc.variant(train_variants(self.pc, epoch)[0]).res
 
     def _following(self, split: str, pos: tuple, key: tuple) -> tuple | None:
         """The batch the plan asks a (resolution, batch) stream for after ``pos``: the next one
@@ -332,8 +333,8 @@ class DaliSource:
         epoch, index = pos
         res, batch = key
         n = len(self.order(split, epoch))
-        last = ("train_last", "train_lowres_last") if split == "train" else ("val_last",)
-        partial = any(self.pc.has_variant(v) for v in last)
+        partial = (train_variants(self.pc, epoch)[1] is not None if split == "train"
+                   else self.pc.has_variant("val_last"))
         count = n // batch + (1 if n % batch and partial else 0)
         if index + 1 < count:
             return epoch, index + 1
