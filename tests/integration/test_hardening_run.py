@@ -311,12 +311,12 @@ def test_fewer_class_folders_than_num_classes_is_said(tmp_path):
     _folder(tmp_path / "img", classes=2)
     pc = folder_config(tmp_path / "img", train=8, val=8)
     said = []
-    load_index(pc, said.append)
+    load_index(pc.source_spec(), said.append)
     assert len(said) == 1 and said[0].startswith(f"data: {tmp_path / 'img' / 'train'} has 2 class folders but "
                                                  f"data.num_classes=3: 1 of the model's outputs never"), said
     _folder(tmp_path / "img3", classes=3)
     said.clear()
-    load_index(folder_config(tmp_path / "img3", train=8, val=8), said.append)
+    load_index(folder_config(tmp_path / "img3", train=8, val=8).source_spec(), said.append)
     assert said == []
 
 

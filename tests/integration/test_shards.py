@@ -236,9 +236,9 @@ def test_a_subset_of_shards_reads_the_same_samples_as_the_folder(tmp_path, n):
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",
             Settings(max_side=16, shard_samples=4), workers=1, skip_corrupt=False, log=lambda *_: None)
     pc = folder_config(tmp_path / "data", train=n, val=13)
-    folder = DaliSource(pc, torch.device("cpu"), torch.float32)
+    folder = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     shards = DaliSource(dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="shards",
-                                                                         root=str(tmp_path / "shards"))),
+                                                                         root=str(tmp_path / "shards"))).source_spec(),
                         torch.device("cpu"), torch.float32)
     f, s = folder.index["train"], shards.index["train"]
     assert len(f) == len(s) == n and f.labels.tolist() == s.labels.tolist()
@@ -261,6 +261,7 @@ def test_shards_on_a_gpu_are_decoded_on_the_host_given_the_threads(tmp_path, thr
     pc = folder_config(tmp_path / "data", train=13, val=13)
     data = dataclasses.replace(pc.data, name="shards", root=str(tmp_path / "shards"), num_threads=threads)
     said = []
-    src = DaliSource(dataclasses.replace(pc, data=data), torch.device("cuda"), torch.float16, log=said.append)
+    src = DaliSource(dataclasses.replace(pc, data=data).source_spec(), torch.device("cuda"), torch.float16,
+                     log=said.append)
     src.close()
     assert line in said, said

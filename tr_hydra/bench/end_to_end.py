@@ -86,7 +86,7 @@ def decode_only(pc, device) -> float:
     batch's arrival, as the baselines' rate is (their iterator builds and runs its pipeline's
     first batch before the clock starts)."""
     from tr_hydra.data.dali_source import DaliSource
-    src = DaliSource(pc, device, torch.float16 if pc.amp else torch.float32, log=lambda *_: None)
+    src = DaliSource(pc.source_spec(), device, torch.float16 if pc.amp else torch.float32, log=lambda *_: None)
     try:
         sched = epoch_schedule(pc, 0)
         t, n = time.perf_counter(), 0

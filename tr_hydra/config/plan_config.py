@@ -13,6 +13,7 @@ from typing import Any
 
 from tr_hydra.config import objective, schema
 from tr_hydra.config.epochs import VariantSpec, make_variants
+from tr_hydra.config.source import SourceSpec
 from tr_hydra.config.specs import (DataSpec, DistSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec,
                                    frozen, plain)
 from tr_hydra.errors import ConfigError
@@ -82,6 +83,13 @@ class PlanConfig:
 
     def has_variant(self, name: str) -> bool:
         return any(v.name == name for v in self.variants)
+
+    def source_spec(self) -> SourceSpec:
+        """What a data source reads of this plan."""
+        return SourceSpec(data=self.data, num_classes=self.model.num_classes, seed=self.seed,
+                          epochs=self.trainer.epochs, lowres_epochs=self.lowres_epochs,
+                          batch_size=self.batch_size, train_size=self.train_size, val_size=self.val_size,
+                          variants=self.variants)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

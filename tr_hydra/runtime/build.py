@@ -127,7 +127,8 @@ class Runtime:
             src.build_ahead([self._request_key(v) for v in pc.variants])
             return src
         from tr_hydra.data.dali_source import DaliSource
-        return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
+        return DaliSource(pc.source_spec(), self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size,
+                          log=self.log)
 
     def close(self) -> None:
         """Release the captured graphs (before the process group is destroyed: see
