@@ -73,8 +73,8 @@ def test_tr_plan_says_whether_a_cuda_run_would_tune_and_why(tmp_path):
     from tr_hydra.cli._common import compose
     from tr_hydra.cli.plan import plan_table
     from tr_hydra.compiler.compile import compile_plan
-    from tr_hydra.config.plan_config import plan_config_from
-    cpu = plan_table(compile_plan(plan_config_from(compose(["runtime.device=cpu", "runtime.tuning=full"]))))
+    from tr_hydra.resolve import resolve
+    cpu = plan_table(compile_plan(resolve(compose(["runtime.device=cpu", "runtime.tuning=full"]))))
     assert "runtime.tuning=full: no tuning (no Triton kernels to tune on the CPU)" in cpu
 
 

@@ -82,12 +82,13 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) 
     dir is this process's (``take_dir``: a lock, held until the process ends) and named to Hydra
     by its real path; a resume of the run there composes from the run's saved config. Returns
     argv as Hydra is to run it. ``composed``: ``_composed(argv)``."""
-    from tr_hydra.config.plan_config import plan_config_from, resume_choice
+    from tr_hydra.config.plan_config import resume_choice
+    from tr_hydra.resolve import resolve
     with user_errors("tr-train"):
         parse_overrides(_all_overrides(argv))
         check_plugins(_all_overrides(argv))
         if not multirun:
-            pc = plan_config_from(compose(_overrides(argv)))
+            pc = resolve(compose(_overrides(argv)))
             run_dir, _ = _hydra_dirs(composed)
             if run_dir is None:
                 return argv
@@ -104,7 +105,7 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) 
             def only_this_run():
                 nonlocal argv
                 argv = as_run()
-                check_run_dir("hydra.run.dir", run_dir, plan_config_from(compose(_overrides(argv))))
+                check_run_dir("hydra.run.dir", run_dir, resolve(compose(_overrides(argv))))
             take_dir("hydra.run.dir", run_dir, only_this_run)
             return argv
         # a sweep: every job's config composes (a value of the wrong type is refused here, naming
@@ -248,12 +249,12 @@ class TrialFailed(RuntimeError):
 
 
 def _train(cfg, run_dir: str, key: str) -> float:
-    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.resolve import resolve
     from tr_hydra.runtime.world import env_world, submitit_job
     w = env_world()
     rank0 = w is None or w[0] == 0  # the other ranks keep no run dir of their own
     changes = _record(cfg, run_dir) if rank0 else []
-    pc = plan_config_from(cfg)
+    pc = resolve(cfg)
     if rank0:
         check_run_dir(key, run_dir, pc)
     from tr_hydra.train.trainer import Trainer

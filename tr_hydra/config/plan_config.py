@@ -1,6 +1,9 @@
 """PlanConfig: the composed config, checked and frozen, holding all the compiler needs.
 
-Nothing in here refers to Hydra; tests and tools may build a PlanConfig by hand.
+Building one only freezes and checks: what it needs from outside the config (the datasets'
+sizes, the world size, this PyTorch's Inductor options) it is given as plain values
+(``tr_hydra.resolve`` finds them). Nothing in here refers to Hydra; tests and tools may build a
+PlanConfig by hand.
 """
 from __future__ import annotations
 
@@ -126,7 +129,9 @@ _BROKEN_VALUES = {"triton.multi_kernel": (
     "load from that cache; leave it at 0")}
 
 
-def _flat_options(opts: Any, prefix: str = "") -> dict:
+def flat_options(opts: Any, prefix: str = "") -> dict:
+    """``runtime.inductor_options`` as dotted names (``{triton: {persistent_reductions: false}}``
+    is ``triton.persistent_reductions``) and their values."""
     if opts is None:
         return {}
     if not isinstance(opts, Mapping):
@@ -135,22 +140,20 @@ def _flat_options(opts: Any, prefix: str = "") -> dict:
     out = {}
     for k, v in opts.items():
         if isinstance(v, Mapping):
-            out.update(_flat_options(v, f"{prefix}{k}."))
+            out.update(flat_options(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-def inductor_options(opts: Any) -> tuple:
-    """``runtime.inductor_options`` checked against this PyTorch's Inductor config: known names
-    (nested maps such as ``{triton: {persistent_reductions: false}}`` are dotted names), values
-    of the option's own type, none that would undo the runtime's own capture. Sorted pairs."""
-    flat = _flat_options(opts)
+def inductor_options(flat: dict, known: dict | None) -> tuple:
+    """``runtime.inductor_options`` (``flat_options``) checked against ``known``, this PyTorch's
+    Inductor options and their defaults: known names, values of the option's own type, none that
+    would undo the runtime's own capture. Sorted pairs. ``known`` None: this PyTorch cannot list
+    them, and Inductor checks them itself."""
     if not flat:
         return ()
-    from tr_hydra.internals.inductor import known_options
-    known = known_options()
-    if known is None:  # this PyTorch cannot list them: Inductor checks them itself
+    if known is None:
         return tuple(sorted(flat.items()))
     out = []
     for name, value in sorted(flat.items()):
@@ -221,35 +224,24 @@ def refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
                 refuse_added_keys(child, type(sub), f"{prefix}{key}.")
 
 
-def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
-    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass).
-
-    With dist=ddp the world size comes from torchrun's environment (or ``world_size``); every
-    rank sees floor(N / world_size) samples per epoch, so all ranks compile the same plan."""
+def config_object(cfg):
+    """The composed config as the schema's dataclass: a DictConfig (keys added with ``+`` that no
+    option declares refused) converted, the dataclass as it is."""
     from omegaconf import DictConfig, OmegaConf
-
-    from tr_hydra.data.sizes import dataset_sizes
     if isinstance(cfg, DictConfig):
         refuse_added_keys(cfg, schema.Config)
         cfg = OmegaConf.to_object(cfg)
-    model = frozen(ModelSpec, cfg.model)
-    opt = frozen(OptimizerSpec, cfg.optimizer)
-    data = frozen(DataSpec, cfg.data)
-    trainer = frozen(TrainerSpec, cfg.trainer)
-    runtime = frozen(RuntimeSpec, cfg.runtime)
-    runtime = dataclasses.replace(runtime, inductor_options=inductor_options(cfg.runtime.inductor_options))
+    return cfg
+
+
+def check_values(cfg) -> None:
+    """Every option's value within what the run can take, in one line each (``cfg``: the
+    schema's dataclass, ``config_object``)."""
+    model, opt, data = frozen(ModelSpec, cfg.model), frozen(OptimizerSpec, cfg.optimizer), frozen(DataSpec, cfg.data)
+    trainer, runtime = frozen(TrainerSpec, cfg.trainer), frozen(RuntimeSpec, cfg.runtime)
     dspec = frozen(DistSpec, cfg.dist)
-    if world_size is None:
-        world_size = 1
-        if dspec.mode == "ddp":
-            from tr_hydra.runtime.world import TORCHRUN_HINT, env_world
-            w = env_world()
-            if w is None:
-                raise ConfigError(f"dist=ddp: RANK/WORLD_SIZE are not set; {TORCHRUN_HINT}")
-            world_size = w[1]
     _check(dspec.base_batch >= 1, "dist.base_batch", "must be >= 1")
     v = cfg.variants
-
     _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
     _check(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
     _check(opt.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
@@ -313,7 +305,23 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     objective.check(trainer.objective, bool(cfg.ema))
     _check(0 < cfg.ema_decay < 1, "ema_decay", f"must be in (0, 1), got {cfg.ema_decay}")
 
-    train_size, val_size = dataset_sizes(data, v.train_size, v.val_size)
+
+def plan_config_from(cfg, *, train_size: int, val_size: int, world_size: int = 1,
+                     inductor_options: tuple | None = None) -> PlanConfig:
+    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass) and what
+    it needs from outside the config, as plain values: the datasets' sizes (``train_size``,
+    ``val_size``: whole splits), the ranks (``world_size``) and ``runtime.inductor_options``
+    checked against Inductor (``inductor_options``; None: the config's own, unchecked). Reads no
+    file and no environment. Every rank sees floor(N / world_size) samples per epoch, so all
+    ranks compile the same plan."""
+    cfg = config_object(cfg)
+    check_values(cfg)
+    if inductor_options is None:
+        inductor_options = tuple(sorted(flat_options(cfg.runtime.inductor_options).items()))
+    model, opt, data = frozen(ModelSpec, cfg.model), frozen(OptimizerSpec, cfg.optimizer), frozen(DataSpec, cfg.data)
+    trainer, dspec = frozen(TrainerSpec, cfg.trainer), frozen(DistSpec, cfg.dist)
+    runtime = dataclasses.replace(frozen(RuntimeSpec, cfg.runtime), inductor_options=tuple(inductor_options))
+    v = cfg.variants
     if world_size > 1:
         if train_size < world_size or val_size < world_size:
             raise ConfigError(f"dist: {train_size} train / {val_size} val samples cannot be shared by "
