@@ -67,7 +67,7 @@ class Runtime:
         self.inductor = inductor_wanted(pc, self.device.type)
         self.forward_dropped = False
         self.prepared = prepare(model, self.compiled.model_map.first_convs, self.device, pc.amp,
-                                pc.runtime.compile, pc.runtime.deterministic, self.log)
+                                self.inductor, pc.runtime.deterministic, self.log)
         self.model = model
         if self.device.type == "cuda":
             from tr_hydra.runtime.guards import check_memory
