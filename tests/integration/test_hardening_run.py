@@ -323,7 +323,7 @@ def test_fewer_class_folders_than_num_classes_is_said(tmp_path):
 def test_skipped_truncated_jpegs_print_only_tr_hydras_line(tmp_path):
     _folder(tmp_path / "img", classes=3, per_class=8, broken=2)
     out = run("tr-train", "data=imagefolder", f"data.root={tmp_path / 'img'}", "data.num_classes=3",
-              "data.image_size=16", "variants.batch_size=8", "variants.val_batch_size=8", "data.skip_corrupt=true",
+              "variants.batch_size=8", "variants.val_batch_size=8", "data.skip_corrupt=true",
               "runtime.device=cpu", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == "", out.stderr[-3000:]

@@ -22,8 +22,8 @@ from tests.integration.test_cli import ENV, _cli
 from tests.unit.test_data import folder_config, make_folder
 from tr_hydra.config.specs import DataSpec
 
-DIGITS_AS_SHARDS = ["data.num_classes=10", "data.image_size=32", "data.mean=[0,0,0]", "data.std=[255,255,255]",
-                    "data.crop_scale=[0.6,1.0]", "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]
+DIGITS_AS_SHARDS = ["data.num_classes=10", "data.mean=[0,0,0]", "data.std=[255,255,255]", "data.crop_scale=[0.6,1.0]",
+                    "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]
 
 
 def run(name, *args, cwd, cache=None):
@@ -173,8 +173,8 @@ def test_training_on_prepared_digits_matches_the_folder(tmp_path):
     r = run("tr-prepare", "data=digits", f"data.cache_dir={cache}", f"prepare.out={out}", cwd=tmp_path, cache=cache)
     assert r.returncode == 0, r.stderr[-2000:]
     from tr_hydra.data.shards import recorded_data
-    recorded = recorded_data(out)  # what data=digits composed to: DIGITS_AS_SHARDS, and digits' own size
-    assert recorded == {"num_classes": 10, "channels": 3, "image_size": 32, "mean": [0.0] * 3, "std": [255.0] * 3,
+    recorded = recorded_data(out)  # what data=digits composed to: DIGITS_AS_SHARDS, and its channels
+    assert recorded == {"num_classes": 10, "channels": 3, "mean": [0.0] * 3, "std": [255.0] * 3,
                         "augment": True, "crop_scale": [0.6, 1.0], "crop_ratio": [0.8, 1.25], "flip": False,
                         "val_crop": 1.0}, recorded
     from tr_hydra.cli._common import compose

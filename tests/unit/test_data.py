@@ -50,8 +50,8 @@ def folder_config(root, *, shuffle=False, augment=False, batch=4, res=16, amp=Fa
                   train=9, val=9, device="cpu", **data_kw):
     pc = small_config(train_size=train, val_size=val, batch=batch, val_batch=batch, res=res,
                       val_res=res, amp=amp, amp_dtype=amp_dtype, num_classes=3, device=device)
-    data = DataSpec(name="imagefolder", root=str(root), num_classes=3, image_size=res, mean=MEAN,
-                    std=STD, shuffle=shuffle, augment=augment, **data_kw)
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=3, mean=MEAN, std=STD, shuffle=shuffle,
+                    augment=augment, **data_kw)
     return dataclasses.replace(pc, data=data)
 
 

@@ -148,9 +148,8 @@ def folder_config(pc, root: str, compile_mode: str):
     n_train, n_val = count_images(Path(root) / "train"), count_images(Path(root) / "val")
     classes = len(scan_imagefolder(root, "train")[1])
     v = pc.variant("train_base")
-    data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, image_size=v.res,
-                    num_threads=os.cpu_count() or 4, hw_decoder_load=pc.data.hw_decoder_load,
-                    decode=pc.data.decode)
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, num_threads=os.cpu_count() or 4,
+                    hw_decoder_load=pc.data.hw_decoder_load, decode=pc.data.decode)
     variants = make_variants(train_size=n_train, val_size=n_val, batch_size=v.batch, val_batch_size=v.batch,
                              base_res=v.res, lowres_res=v.res, lowres_epochs=0, val_res=v.res, drop_last=False)
     return dataclasses.replace(pc, data=data, model=dataclasses.replace(pc.model, num_classes=classes),

@@ -109,7 +109,7 @@ def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode:
     n_train = n_train or batch * 64
     pc = PlanConfig(model=ModelSpec(name=model_name, num_classes=classes),
                     optimizer=OptimizerSpec(name="momentum", lr=0.1, weight_decay=5e-5, schedule="constant"),
-                    data=DataSpec(num_classes=classes, image_size=res),
+                    data=DataSpec(num_classes=classes),
                     trainer=TrainerSpec(epochs=1),
                     runtime=RuntimeSpec(device=device.type, compile=compile_mode,
                                         deterministic=deterministic),

@@ -140,7 +140,6 @@ class DataConfig:
     path: Optional[str] = None   # arrays: .npz file
     num_classes: int = 10
     channels: int = 3
-    image_size: int = 32         # native size of generated / built-in images
     train_size: Optional[int] = None  # None: counted from the source
     val_size: Optional[int] = None
     mean: List[float] = field(default_factory=lambda: [123.675, 116.28, 103.53])  # 0-255 scale
