@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig, RuntimeSpec,
-                                         TrainerSpec, make_variants)
+from tr_hydra.config.epochs import make_variants
+from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.config.specs import DataSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec
 
 
 def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_size=60, batch=32,
@@ -23,7 +24,7 @@ def small_config(*, model="resnet_mini", optimizer=None, train_size=200, val_siz
     return PlanConfig(
         model=ModelSpec(name=model, num_classes=num_classes),
         optimizer=optimizer or OptimizerSpec(name="momentum", lr=0.05, schedule="constant"),
-        data=DataSpec(num_classes=num_classes, image_size=res),
+        data=DataSpec(num_classes=num_classes),
         trainer=trainer or TrainerSpec(epochs=epochs, max_steps=max_steps, label_smoothing=label_smoothing),
         runtime=RuntimeSpec(device=device, cuda_graph=cuda_graph, compile=compile),
         variants=variants, batch_size=batch, val_batch_size=val_batch, lowres_epochs=lowres_epochs,

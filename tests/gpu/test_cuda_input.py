@@ -21,8 +21,8 @@ def test_mixed_decode_matches_cpu_pipeline(tmp_path):
     # nvJPEG's): what is left to compare is the two decoders' IDCT rounding
     make_folder(tmp_path, fmt="JPEG", size=16, quality=95, subsampling=0)
     pc = folder_config(tmp_path, res=16, amp=True, amp_dtype="fp16", device="cuda")
-    gpu = DaliSource(pc, torch.device("cuda"), torch.float16)
-    cpu = DaliSource(pc, torch.device("cpu"), torch.float16)
+    gpu = DaliSource(pc.source_spec(), torch.device("cuda"), torch.float16)
+    cpu = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float16)
     g = gpu.batch("train", 0, 4, 4, 16)
     assert "GPU" in type(g.images).__name__
     a = np.array(g.images.as_cpu().as_tensor()).astype(np.float32)
@@ -55,7 +55,7 @@ def test_training_on_shards_with_graphs_equals_the_folder(tmp_path, decode):
     images under max_side, so the shards hold the folder's bytes, fed in the folder's order;
     deterministic, the two runs end with the same weights."""
     import dataclasses
-    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.config.specs import DataSpec
     from tr_hydra.data.prepare import Settings, prepare
     make_folder(tmp_path / "data", fmt="JPEG", per_class=(6, 5, 5), size=20)
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",

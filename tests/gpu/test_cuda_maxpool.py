@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import small_config
-from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.config.epochs import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda

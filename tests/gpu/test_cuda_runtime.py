@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from tests.helpers import small_config
-from tr_hydra.config.plan_config import OptimizerSpec
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import OptimizerSpec
 from tr_hydra import startup
 from tr_hydra.runtime.build import Runtime
-from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
@@ -393,7 +393,7 @@ def test_skipped_steps_on_graph_leave_every_persistent_region_bn_statistics_incl
     persistent region byte for byte, the BN running statistics its forward moved included; a
     clean step moves them again; once trainer.max_nonfinite is reached, a clean step is
     skipped as well (issue 48, items 5 and 6)."""
-    from tr_hydra.config.plan_config import TrainerSpec
+    from tr_hydra.config.specs import TrainerSpec
     from tr_hydra.memory.regions import Region as R
     from tr_hydra.train import checkpoint as ck
     pc = small_config(device="cuda", amp=True, ema=True, compile=compile,

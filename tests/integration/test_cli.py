@@ -73,8 +73,8 @@ def test_tr_plan_says_whether_a_cuda_run_would_tune_and_why(tmp_path):
     from tr_hydra.cli._common import compose
     from tr_hydra.cli.plan import plan_table
     from tr_hydra.compiler.compile import compile_plan
-    from tr_hydra.config.plan_config import plan_config_from
-    cpu = plan_table(compile_plan(plan_config_from(compose(["runtime.device=cpu", "runtime.tuning=full"]))))
+    from tr_hydra.resolve import resolve
+    cpu = plan_table(compile_plan(resolve(compose(["runtime.device=cpu", "runtime.tuning=full"]))))
     assert "runtime.tuning=full: no tuning (no Triton kernels to tune on the CPU)" in cpu
 
 
@@ -97,7 +97,7 @@ def test_tr_train_writes_loadable_weights(tmp_path):
 def test_init_from_starts_from_given_weights(tmp_path):
     from tests.helpers import small_config
     from tr_hydra.compiler.compile import instantiate_model
-    from tr_hydra.config.plan_config import ModelSpec
+    from tr_hydra.config.specs import ModelSpec
     from tr_hydra.train.trainer import Trainer
     torch.manual_seed(123)
     pc = small_config()

@@ -151,18 +151,18 @@ GROUPS = ["model", "optimizer", "data", "variants", "trainer", "runtime", "plan"
 @pytest.mark.parametrize("key", [f"{g}.foo" for g in GROUPS] + ["foo", "data.crop_scale_x"])
 def test_plus_adds_only_keys_the_schema_declares(key):
     from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.resolve import resolve
     from tr_hydra.errors import ConfigError
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: not an option \(\+ adds only keys"):
-        plan_config_from(compose([f"+{key}=1"]))
+        resolve(compose([f"+{key}=1"]))
 
 
 def test_plus_into_a_free_form_map_is_kept():
     from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    pc = plan_config_from(compose(["+runtime.inductor_options.max_autotune=true"]))
+    from tr_hydra.resolve import resolve
+    pc = resolve(compose(["+runtime.inductor_options.max_autotune=true"]))
     assert pc.runtime.inductor_options == (("max_autotune", True),)
-    pc = plan_config_from(compose(["runtime.inductor_options={benchmark_fusion:true}",
+    pc = resolve(compose(["runtime.inductor_options={benchmark_fusion:true}",
                                    "+runtime.inductor_options.max_autotune=false"]))
     assert dict(pc.runtime.inductor_options) == {"benchmark_fusion": True, "max_autotune": False}
 

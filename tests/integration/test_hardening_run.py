@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers import small_config
 from tests.integration.test_cli import run
-from tr_hydra.config.plan_config import TrainerSpec
+from tr_hydra.config.specs import TrainerSpec
 from tr_hydra.errors import ConfigError, DiskError
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train.trainer import Trainer
@@ -311,19 +311,19 @@ def test_fewer_class_folders_than_num_classes_is_said(tmp_path):
     _folder(tmp_path / "img", classes=2)
     pc = folder_config(tmp_path / "img", train=8, val=8)
     said = []
-    load_index(pc, said.append)
+    load_index(pc.source_spec(), said.append)
     assert len(said) == 1 and said[0].startswith(f"data: {tmp_path / 'img' / 'train'} has 2 class folders but "
                                                  f"data.num_classes=3: 1 of the model's outputs never"), said
     _folder(tmp_path / "img3", classes=3)
     said.clear()
-    load_index(folder_config(tmp_path / "img3", train=8, val=8), said.append)
+    load_index(folder_config(tmp_path / "img3", train=8, val=8).source_spec(), said.append)
     assert said == []
 
 
 def test_skipped_truncated_jpegs_print_only_tr_hydras_line(tmp_path):
     _folder(tmp_path / "img", classes=3, per_class=8, broken=2)
     out = run("tr-train", "data=imagefolder", f"data.root={tmp_path / 'img'}", "data.num_classes=3",
-              "data.image_size=16", "variants.batch_size=8", "variants.val_batch_size=8", "data.skip_corrupt=true",
+              "variants.batch_size=8", "variants.val_batch_size=8", "data.skip_corrupt=true",
               "runtime.device=cpu", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == "", out.stderr[-3000:]

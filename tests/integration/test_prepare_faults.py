@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.unit.test_data import make_folder
-from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.config.specs import DataSpec
 from tr_hydra.errors import ConfigError
 
 
@@ -267,7 +267,7 @@ def test_a_preparation_without_its_prepare_json_says_what_is_missing(tmp_path):
 def test_a_preparation_records_the_data_settings_of_its_source(tmp_path):
     from tr_hydra.data.shards import recorded_data
     src, out = _tiny(tmp_path), tmp_path / "out"
-    mine = dict(num_classes=3, image_size=8, mean=[1.0, 2.0, 3.0], std=[4.0, 5.0, 6.0], augment=False,
+    mine = dict(num_classes=3, mean=[1.0, 2.0, 3.0], std=[4.0, 5.0, 6.0], augment=False,
                 crop_scale=[0.5, 1.0], crop_ratio=[0.9, 1.1], flip=False, val_crop=0.9)
     _in_process(src, out, train_size=4, num_threads=1, skip_corrupt=True, **mine)
     got = recorded_data(out)

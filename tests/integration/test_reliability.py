@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tr_hydra.compiler.compile import compile_plan
-from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
+from tr_hydra.config.specs import OptimizerSpec, TrainerSpec
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.runtime.guards import MemoryPlanError, NonFiniteError, check_memory
 from tr_hydra.train.trainer import Trainer

@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import fit_stop_resume, small_config
 from tests.integration.test_cli import run
-from tr_hydra.config.plan_config import TrainerSpec
+from tr_hydra.config.specs import TrainerSpec
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train import summary as sm
 from tr_hydra.train import tally

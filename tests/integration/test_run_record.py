@@ -160,3 +160,20 @@ def test_a_full_disk_when_the_record_is_written_is_one_line_and_leaves_no_empty_
         assert [p for p in (disk / "run").rglob("*") if p.is_file()] == []
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_resume_of_a_run_saved_with_an_option_since_removed_is_not_refused_for_it(tmp_path):
+    """A run recorded while data.image_size was an option resumes: what a saved key no longer
+    declares is fixed now (--rerun drops it too), and only the options are compared."""
+    from omegaconf import OmegaConf
+
+    from tr_hydra.cli._common import compose
+    from tr_hydra.cli.record import RECORD, resume_changes
+    saved = OmegaConf.to_container(compose(TINY), resolve=True, enum_to_str=True)
+    saved["data"]["image_size"] = 32
+    (tmp_path / RECORD).mkdir()
+    (tmp_path / RECORD / "config.yaml").write_text(yaml.safe_dump(saved))
+    was = saved["trainer"]["log_every"]
+    assert resume_changes(tmp_path, compose([*TINY, "trainer.log_every=7"])) == [f"trainer.log_every {was!r} -> 7"]
+    with pytest.raises(ConfigError, match=r"another config \(optimizer\.lr"):
+        resume_changes(tmp_path, compose([*TINY, "optimizer.lr=0.5"]))

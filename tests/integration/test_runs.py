@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tr_hydra.config.plan_config import TrainerSpec
+from tr_hydra.config.specs import TrainerSpec
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train.trainer import Trainer
 

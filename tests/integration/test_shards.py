@@ -20,10 +20,10 @@ from PIL import Image
 from tests.helpers import fit_stop_resume
 from tests.integration.test_cli import ENV, _cli
 from tests.unit.test_data import folder_config, make_folder
-from tr_hydra.config.plan_config import DataSpec
+from tr_hydra.config.specs import DataSpec
 
-DIGITS_AS_SHARDS = ["data.num_classes=10", "data.image_size=32", "data.mean=[0,0,0]", "data.std=[255,255,255]",
-                    "data.crop_scale=[0.6,1.0]", "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]
+DIGITS_AS_SHARDS = ["data.num_classes=10", "data.mean=[0,0,0]", "data.std=[255,255,255]", "data.crop_scale=[0.6,1.0]",
+                    "data.crop_ratio=[0.8,1.25]", "data.flip=false", "data.val_crop=1.0"]
 
 
 def run(name, *args, cwd, cache=None):
@@ -173,8 +173,8 @@ def test_training_on_prepared_digits_matches_the_folder(tmp_path):
     r = run("tr-prepare", "data=digits", f"data.cache_dir={cache}", f"prepare.out={out}", cwd=tmp_path, cache=cache)
     assert r.returncode == 0, r.stderr[-2000:]
     from tr_hydra.data.shards import recorded_data
-    recorded = recorded_data(out)  # what data=digits composed to: DIGITS_AS_SHARDS, and digits' own size
-    assert recorded == {"num_classes": 10, "channels": 3, "image_size": 32, "mean": [0.0] * 3, "std": [255.0] * 3,
+    recorded = recorded_data(out)  # what data=digits composed to: DIGITS_AS_SHARDS, and its channels
+    assert recorded == {"num_classes": 10, "channels": 3, "mean": [0.0] * 3, "std": [255.0] * 3,
                         "augment": True, "crop_scale": [0.6, 1.0], "crop_ratio": [0.8, 1.25], "flip": False,
                         "val_crop": 1.0}, recorded
     from tr_hydra.cli._common import compose
@@ -236,9 +236,9 @@ def test_a_subset_of_shards_reads_the_same_samples_as_the_folder(tmp_path, n):
     prepare(DataSpec(name="imagefolder", root=str(tmp_path / "data")), tmp_path / "shards",
             Settings(max_side=16, shard_samples=4), workers=1, skip_corrupt=False, log=lambda *_: None)
     pc = folder_config(tmp_path / "data", train=n, val=13)
-    folder = DaliSource(pc, torch.device("cpu"), torch.float32)
+    folder = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     shards = DaliSource(dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="shards",
-                                                                         root=str(tmp_path / "shards"))),
+                                                                         root=str(tmp_path / "shards"))).source_spec(),
                         torch.device("cpu"), torch.float32)
     f, s = folder.index["train"], shards.index["train"]
     assert len(f) == len(s) == n and f.labels.tolist() == s.labels.tolist()
@@ -261,6 +261,7 @@ def test_shards_on_a_gpu_are_decoded_on_the_host_given_the_threads(tmp_path, thr
     pc = folder_config(tmp_path / "data", train=13, val=13)
     data = dataclasses.replace(pc.data, name="shards", root=str(tmp_path / "shards"), num_threads=threads)
     said = []
-    src = DaliSource(dataclasses.replace(pc, data=data), torch.device("cuda"), torch.float16, log=said.append)
+    src = DaliSource(dataclasses.replace(pc, data=data).source_spec(), torch.device("cuda"), torch.float16,
+                     log=said.append)
     src.close()
     assert line in said, said

@@ -25,8 +25,8 @@ CPU = torch.device("cpu")
 
 def _pc(*overrides: str):
     from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
-    return plan_config_from(compose(["model=resnet_mini", "data=synthetic", *overrides]))
+    from tr_hydra.resolve import resolve
+    return resolve(compose(["model=resnet_mini", "data=synthetic", *overrides]))
 
 
 def test_the_package_exposes_the_runners_and_never_imports_the_cli():

@@ -9,8 +9,8 @@ import pytest
 
 from tr_hydra.cli._common import compose
 from tr_hydra.config.locate import config_dir
-from tr_hydra.config.plan_config import plan_config_from
 from tr_hydra.errors import ConfigError
+from tr_hydra.resolve import resolve
 
 GROUPS = ["model", "optimizer", "data", "variants", "trainer", "runtime", "plan", "dist", "bench", "recipe"]
 
@@ -33,12 +33,12 @@ def test_every_option_composes(group, option, tmp_path):
     if group == "dist" and option == "ddp":  # needs torchrun: tested in test_distributed.py
         return
     if group not in ("data", "recipe"):  # recipes need data paths: run in test_runs.py
-        plan_config_from(cfg)  # passes every value check
+        resolve(cfg)  # passes every value check
 
 
 def test_top_level_booleans_and_interpolated_classes():
     cfg = compose(["optimizer=lars", "amp=true", "ema=true", "model=resnet50"])
-    pc = plan_config_from(cfg)
+    pc = resolve(cfg)
     assert pc.amp and pc.ema and pc.optimizer.name == "lars" and pc.model.num_classes == 10
 
 
@@ -76,17 +76,90 @@ def test_bad_override_exits_nonzero_with_one_line(override, needle, tmp_path):
 
 
 def test_plan_config_is_frozen_and_fingerprinted():
-    pc = plan_config_from(compose([]))
+    pc = resolve(compose([]))
     with pytest.raises(Exception):
         pc.amp = True  # frozen
-    assert pc.fingerprint() == plan_config_from(compose(["optimizer.lr=0.5"])).fingerprint()
-    assert pc.fingerprint() != plan_config_from(compose(["amp=true"])).fingerprint()
+    assert pc.fingerprint() == resolve(compose(["optimizer.lr=0.5"])).fingerprint()
+    assert pc.fingerprint() != resolve(compose(["amp=true"])).fingerprint()
 
 
 def test_imagefolder_without_images_is_a_config_error(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     with pytest.raises(ConfigError, match="holds no images"):
-        plan_config_from(compose(["data=imagefolder", f"data.root={tmp_path}"]))
+        resolve(compose(["data=imagefolder", f"data.root={tmp_path}"]))
+
+
+def test_building_a_plan_config_reads_no_file_and_no_environment(monkeypatch):
+    """The builder only freezes and checks: given the sizes, the world size and the checked
+    Inductor options, a config whose dataset root does not exist, under a torchrun environment
+    that says otherwise, gives the plan those values make (written out here by hand), and
+    nothing is opened or listed and no variable read while it is built."""
+    import collections.abc
+
+    from omegaconf import OmegaConf
+
+    from tr_hydra.config import schema
+    from tr_hydra.config.epochs import VariantSpec
+    from tr_hydra.config.plan_config import PlanConfig, plan_config_from
+    from tr_hydra.config.specs import DataSpec, DistSpec, ModelSpec, RuntimeSpec
+    cfg = schema.Config(model=schema.ModelConfig(num_classes=3),
+                        data=schema.DataConfig(name=schema.DataName.imagefolder, root="/nonexistent/data",
+                                               num_classes=3),
+                        variants=schema.VariantsConfig(batch_size=4, val_batch_size=8, base_res=16, val_res=16),
+                        runtime=schema.RuntimeConfig(inductor_options={"max_autotune": True}),
+                        dist=schema.DistConfig(mode=schema.DistMode.ddp))
+    given = dict(train_size=13, val_size=10, world_size=2, inductor_options=(("max_autotune", True),))
+    expected = PlanConfig(
+        model=ModelSpec(name="resnet_mini", num_classes=3),
+        data=DataSpec(name="imagefolder", root="/nonexistent/data", num_classes=3),
+        runtime=RuntimeSpec(inductor_options=(("max_autotune", True),)), dist=DistSpec(mode="ddp"),
+        world_size=2, batch_size=4, val_batch_size=8, train_size=6, val_size=5,  # 13 // 2, 10 // 2 a rank
+        variants=(VariantSpec("train_base", True, 4, 16), VariantSpec("train_last", True, 2, 16),
+                  VariantSpec("val_base", False, 5, 16)))
+    plan_config_from(cfg, **given)  # what it imports, imported before the watch begins
+
+    class Watched(collections.abc.MutableMapping):
+        def __init__(self, env):
+            self.env, self.read = env, []
+
+        def __getitem__(self, k):
+            self.read.append(k)
+            return self.env[k]
+
+        def __contains__(self, k):
+            self.read.append(k)
+            return k in self.env
+
+        def __iter__(self):
+            self.read.append("*")
+            return iter(self.env)
+
+        def __len__(self):
+            return len(self.env)
+
+        def __setitem__(self, k, v):
+            self.env[k] = v
+
+        def __delitem__(self, k):
+            del self.env[k]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    env = Watched(os.environ)
+    opened = []
+    watching = [True]
+
+    def audit(event, args):
+        if watching[0] and event in ("open", "os.listdir", "os.scandir"):
+            opened.append((event, args[0]))
+    sys.addaudithook(audit)  # stays for the process; records only while watching
+    monkeypatch.setattr(os, "environ", env)
+    try:
+        built = [plan_config_from(cfg, **given), plan_config_from(OmegaConf.structured(cfg), **given)]
+    finally:
+        watching[0] = False
+        monkeypatch.setattr(os, "environ", env.env)
+    assert opened == [] and env.read == [], (opened, env.read)
+    assert built == [expected, expected]
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -105,12 +178,12 @@ def test_imagefolder_without_images_is_a_config_error(tmp_path):
 def test_value_ranges(override, needle):
     overrides = [override] + (["variants.lowres_epochs=1"] if "lowres" in override else [])
     if needle is None:
-        plan_config_from(compose(overrides + ["optimizer.eps=1e-8"]))
+        resolve(compose(overrides + ["optimizer.eps=1e-8"]))
         with pytest.raises(ConfigError, match="optimizer.eps"):
-            plan_config_from(compose(overrides + ["optimizer.eps=0"]))
+            resolve(compose(overrides + ["optimizer.eps=0"]))
         return
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
-        plan_config_from(compose(overrides))
+        resolve(compose(overrides))
 
 
 def test_rerun_of_a_config_saved_with_options_since_removed_drops_them_and_says_so(tmp_path, capsys):
@@ -134,7 +207,7 @@ def test_rerun_of_a_config_saved_with_options_since_removed_drops_them_and_says_
     assert {"model.width=8", "runtime.compile='none'", "variants.batch_size=32", "seed=5",
             "runtime.inductor_options={max_autotune:true}",
             "runtime.tuning='none'"} <= set(got), got  # saved before runtime.tuning: it did not tune
-    pc = plan_config_from(compose(got))
+    pc = resolve(compose(got))
     assert pc.model.width == 8 and pc.seed == 5 and pc.runtime.inductor_options == (("max_autotune", True),)
     assert pc.runtime.tuning == "none"
 
@@ -151,7 +224,7 @@ def test_rerun_of_a_run_that_asked_for_coordinate_descent_tunes_again(tmp_path, 
     got = rerun_overrides(tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["--rerun: runtime.inductor_options.coordinate_descent_tuning is runtime.tuning=full now"]
-    pc = plan_config_from(compose(got))
+    pc = resolve(compose(got))
     assert pc.runtime.tuning == "full" and pc.runtime.inductor_options == ()
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"runtime": {"tuning": "auto"}}))
     assert "runtime.tuning='auto'" in rerun_overrides(tmp_path)  # saved with it: as saved
@@ -169,7 +242,7 @@ def test_rerun_of_a_run_saved_before_data_decode_decodes_on_the_gpu_as_it_did(tm
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     got = rerun_overrides(tmp_path)
     assert "data.decode='gpu'" in got and "data.num_threads=2" in got, got
-    assert plan_config_from(compose(got)).data.decode == "gpu"
+    assert resolve(compose(got)).data.decode == "gpu"
     cfg["data"]["decode"] = "auto"
     (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert "data.decode='auto'" in rerun_overrides(tmp_path)
@@ -199,16 +272,16 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
     (nested maps dotted); an unknown name, a wrong type or an option the runtime owns is a
     one-line ConfigError naming the key."""
     import torch._inductor.config as ic
-    pc = plan_config_from(compose(["runtime.inductor_options={max_autotune:true,"
-                                   "triton:{persistent_reductions:false},max_autotune_gemm_backends:ATEN}"]))
+    pc = resolve(compose(["runtime.inductor_options={max_autotune:true,"
+                          "triton:{persistent_reductions:false},max_autotune_gemm_backends:ATEN}"]))
     opts = pc.runtime.inductor_options
     assert opts == (("max_autotune", True), ("max_autotune_gemm_backends", "ATEN"),
                     ("triton.persistent_reductions", False))
     assert all(name in ic.get_config_copy() for name, _ in opts)
     assert hash(pc.runtime) == hash(pc.runtime)  # the spec stays hashable
-    assert plan_config_from(compose([])).runtime.inductor_options == ()
-    assert plan_config_from(compose(["runtime.inductor_options={triton:{multi_kernel:0}}"])
-                            ).runtime.inductor_options == (("triton.multi_kernel", 0),)
+    assert resolve(compose([])).runtime.inductor_options == ()
+    assert resolve(compose(["runtime.inductor_options={triton:{multi_kernel:0}}"])
+                   ).runtime.inductor_options == (("triton.multi_kernel", 0),)
     for override, needle in [
         ("runtime.inductor_options={coordinate_descent_tunning:true}", "not an Inductor option"),
         ("runtime.inductor_options={persistent_reductions:false}", "did you mean triton.persistent_reductions"),
@@ -220,7 +293,7 @@ def test_inductor_options_are_checked_and_kept_as_sorted_pairs():
         ("runtime.inductor_options={triton:{multi_kernel:1}}", "1 not supported: .*loading compiled kernels"),
     ]:
         with pytest.raises(ConfigError, match=f"runtime.inductor_options.*{needle}") as e:
-            plan_config_from(compose([override]))
+            resolve(compose([override]))
         assert "\n" not in str(e.value)
 
 

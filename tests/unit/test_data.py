@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tr_hydra.config.plan_config import DataSpec, TrainerSpec
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import DataSpec, TrainerSpec
 from tr_hydra.data.dali_source import DaliSource, DataError, dali_threads
 from tr_hydra.data.index import epoch_order
 from tr_hydra.errors import ConfigError
-from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import fit_stop_resume, small_config
@@ -50,14 +50,14 @@ def folder_config(root, *, shuffle=False, augment=False, batch=4, res=16, amp=Fa
                   train=9, val=9, device="cpu", **data_kw):
     pc = small_config(train_size=train, val_size=val, batch=batch, val_batch=batch, res=res,
                       val_res=res, amp=amp, amp_dtype=amp_dtype, num_classes=3, device=device)
-    data = DataSpec(name="imagefolder", root=str(root), num_classes=3, image_size=res, mean=MEAN,
-                    std=STD, shuffle=shuffle, augment=augment, **data_kw)
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=3, mean=MEAN, std=STD, shuffle=shuffle,
+                    augment=augment, **data_kw)
     return dataclasses.replace(pc, data=data)
 
 
 def test_imagefolder_exact_order_and_values(tmp_path):
     pixels = make_folder(tmp_path)
-    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    src = DaliSource(folder_config(tmp_path).source_spec(), torch.device("cpu"), torch.float32)
     paths = src.index["train"].paths
     assert [Path(p).parent.name for p in paths] == ["cat"] * 3 + ["dog"] * 2 + ["emu"] * 4
     b0 = src.batch("train", 0, 4, 4, 16)
@@ -71,7 +71,7 @@ def test_imagefolder_exact_order_and_values(tmp_path):
 
 def test_fp16_output_is_padded_to_four_channels(tmp_path):
     make_folder(tmp_path, fmt="JPEG")
-    src = DaliSource(folder_config(tmp_path, augment=True, amp=True, amp_dtype="fp16"),
+    src = DaliSource(folder_config(tmp_path, augment=True, amp=True, amp_dtype="fp16").source_spec(),
                      torch.device("cpu"), torch.float16)
     out = _dense(src.batch("train", 0, 4, 4, 12))
     assert out.shape == (4, 12, 12, 4) and out.dtype == np.float16
@@ -86,7 +86,7 @@ def test_arrays_exact_order_and_values(tmp_path):
     pc = folder_config(tmp_path, train=10, val=5)
     pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="arrays", root=None,
                                                           path=str(tmp_path / "d.npz")))
-    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    src = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     for i, size in ((0, 4), (1, 4), (2, 2)):
         b = src.batch("train", i, 4, size, 16)
         want = (x[i * 4:i * 4 + size].astype(np.float32) - MEAN) / STD
@@ -105,7 +105,7 @@ def test_shuffle_is_deterministic_and_shards_partition():
 
 def test_lowres_epochs_produce_lowres_images(tmp_path):
     make_folder(tmp_path, fmt="JPEG", size=20)
-    src = DaliSource(folder_config(tmp_path, augment=True, res=16), torch.device("cpu"), torch.float32)
+    src = DaliSource(folder_config(tmp_path, augment=True, res=16).source_spec(), torch.device("cpu"), torch.float32)
     assert _dense(src.batch("train", 0, 4, 4, 12)).shape == (4, 12, 12, 3)
     assert _dense(src.batch("val", 0, 4, 4, 16)).shape == (4, 16, 16, 3)
 
@@ -139,10 +139,10 @@ def test_digits_builds_a_fixed_split(tmp_path):
 # ---------------------------------------------------------------------- bad input
 def test_missing_root_and_split(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        DaliSource(folder_config(tmp_path / "nope"), torch.device("cpu"), torch.float32)
+        DaliSource(folder_config(tmp_path / "nope").source_spec(), torch.device("cpu"), torch.float32)
     (tmp_path / "train" / "a").mkdir(parents=True)
     with pytest.raises(ConfigError, match="holds no images"):
-        DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+        DaliSource(folder_config(tmp_path).source_spec(), torch.device("cpu"), torch.float32)
 
 
 def test_empty_class_folder_is_named(tmp_path):
@@ -150,7 +150,7 @@ def test_empty_class_folder_is_named(tmp_path):
     (tmp_path / "val" / "dog").rename(tmp_path / "val" / "dog_old")
     (tmp_path / "val" / "dog").mkdir()
     with pytest.raises(ConfigError, match=r"val/dog holds no images"):
-        DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+        DaliSource(folder_config(tmp_path).source_spec(), torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("fault", ["truncated", "not_an_image"])
@@ -161,10 +161,10 @@ def test_corrupt_image_is_named_or_skipped(tmp_path, fault):
         bad.write_bytes(bad.read_bytes()[:60])
     else:
         bad.write_text("this is a text file, not a picture\n")
-    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    src = DaliSource(folder_config(tmp_path).source_spec(), torch.device("cpu"), torch.float32)
     with pytest.raises(DataError, match=r"cannot decode .*dog/001\.jpg.*skip_corrupt"):
         src.batch("train", 1, 4, 4, 16)  # samples 4..7: cat/002, dog/000, dog/001, emu/000
-    src = DaliSource(folder_config(tmp_path, skip_corrupt=True), torch.device("cpu"), torch.float32,
+    src = DaliSource(folder_config(tmp_path, skip_corrupt=True).source_spec(), torch.device("cpu"), torch.float32,
                      log=lambda *_: None)
     b = src.batch("train", 1, 4, 4, 16)
     assert _dense(b).shape == (4, 16, 16, 3) and src.skipped == 1
@@ -201,18 +201,18 @@ def test_bad_npz(tmp_path, case, needle):
     pc = dataclasses.replace(pc, data=dataclasses.replace(pc.data, name="arrays", root=None,
                                                           path=str(tmp_path / "d.npz")))
     with pytest.raises(ConfigError) as e:
-        DaliSource(pc, torch.device("cpu"), torch.float32)
+        DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_smaller_train_size_takes_a_spread_over_classes(tmp_path):
     make_folder(tmp_path, per_class=(4, 4, 4))
     pc = folder_config(tmp_path, train=6, val=12)
-    src = DaliSource(pc, torch.device("cpu"), torch.float32)
+    src = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     assert len(src.index["train"]) == 6 and len(set(src.index["train"].labels.tolist())) >= 2
     assert src.index["train"].paths == sorted(src.index["train"].paths)
     with pytest.raises(ConfigError, match="expects 13 val samples"):
-        DaliSource(folder_config(tmp_path, train=6, val=13), torch.device("cpu"), torch.float32)
+        DaliSource(folder_config(tmp_path, train=6, val=13).source_spec(), torch.device("cpu"), torch.float32)
 
 
 def _retired():
@@ -228,8 +228,8 @@ def test_stream_batches_equal_the_synchronous_decode_in_order(tmp_path):
     position) starts a new stream there."""
     make_folder(tmp_path, fmt="JPEG", per_class=(5, 4, 4))
     pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, train=13, val=13), trainer=TrainerSpec(epochs=2))
-    src = DaliSource(pc, torch.device("cpu"), torch.float32)
-    ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    src = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
+    ref = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     stream = None
     for epoch in (0, 1):
         order = src.order("train", epoch)
@@ -265,7 +265,7 @@ def _draw(src, plan):
 
 
 def _plan(pc, epochs):
-    from tr_hydra.runtime.schedule import epoch_schedule
+    from tr_hydra.config.epochs import epoch_schedule
     return [(e, i, size, pc.variant(v).res) for e in epochs for v, i, size in epoch_schedule(pc, e)]
 
 
@@ -279,18 +279,18 @@ def test_resumed_stream_draws_the_same_crops(tmp_path, stop):
     pc = dataclasses.replace(folder_config(tmp_path, shuffle=True, augment=True, train=13, val=13),
                              trainer=TrainerSpec(epochs=3))
     plan = _plan(pc, (0, 1, 2))
-    full = _draw(DaliSource(pc, torch.device("cpu"), torch.float32), plan)
+    full = _draw(DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32), plan)
     cut = 4 if stop == "epoch_end" else 6          # the first batch the resumed run asks for
     taken = cut if stop == "epoch_end" else cut + 1  # what the stopped run took from its stream
-    first = DaliSource(pc, torch.device("cpu"), torch.float32)
+    first = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     assert all(np.array_equal(a, b) for a, b in zip(_draw(first, plan[:taken]), full))
     torch.save({"data": [first.state()]}, tmp_path / "ck.pt")
     state = torch.load(tmp_path / "ck.pt", weights_only=True)["data"][0]
-    again = DaliSource(pc, torch.device("cpu"), torch.float32)
+    again = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     again.restore(state)
     rest = _draw(again, plan[cut:])
     assert all(np.array_equal(a, b) for a, b in zip(rest, full[cut:]))
-    fresh = DaliSource(pc, torch.device("cpu"), torch.float32)
+    fresh = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     assert not all(np.array_equal(a, b) for a, b in zip(_draw(fresh, plan[cut:]), full[cut:]))
 
 
@@ -302,8 +302,8 @@ def test_stream_stops_at_a_change_of_resolution(tmp_path):
     pc = dataclasses.replace(folder_config(tmp_path, train=13, val=13), lowres_epochs=1, trainer=TrainerSpec(epochs=2))
     pc = dataclasses.replace(pc, variants=small_config(train_size=13, val_size=13, batch=4, val_batch=4, res=16,
                                                       lowres_epochs=1, num_classes=3).variants)
-    src = DaliSource(pc, torch.device("cpu"), torch.float32)
-    ref = DaliSource(pc, torch.device("cpu"), torch.float32)
+    src = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
+    ref = DaliSource(pc.source_spec(), torch.device("cpu"), torch.float32)
     plan = _plan(pc, (0, 1))
     assert {p[3] for p in plan[:4]} == {12} and {p[3] for p in plan[4:]} == {16}
     for e, i, size, res in plan:
@@ -366,7 +366,7 @@ def test_hw_decoder_load_reaches_the_gpu_decoder(tmp_path, monkeypatch, load):
     default stands. (The graph is defined, not built: no GPU here.)"""
     from nvidia.dali import fn
     make_folder(tmp_path, fmt="JPEG")
-    src = DaliSource(folder_config(tmp_path, hw_decoder_load=load), torch.device("cuda"), torch.float16)
+    src = DaliSource(folder_config(tmp_path, hw_decoder_load=load).source_spec(), torch.device("cuda"), torch.float16)
     seen = {}
 
     class Defined(Exception):
@@ -402,7 +402,8 @@ def test_host_decode_hands_the_gpu_only_the_normalisation(tmp_path, monkeypatch,
     nvJPEG's mixed one. (The graph is defined, not built: no GPU here.)"""
     from nvidia.dali import fn
     make_folder(tmp_path, fmt="JPEG")
-    src = DaliSource(folder_config(tmp_path, decode=decode, augment=augment), torch.device("cuda"), torch.float16)
+    src = DaliSource(folder_config(tmp_path, decode=decode, augment=augment).source_spec(), torch.device("cuda"),
+                     torch.float16)
     seen = {}
 
     class Defined(Exception):
@@ -428,7 +429,7 @@ def test_a_checkpoint_decoded_elsewhere_is_refused_on_resume(tmp_path):
     decode them elsewhere (other pixels, other crops) is one line naming data.decode. A
     checkpoint from before the key was kept decoded with nvJPEG on CUDA, on the host on the CPU."""
     make_folder(tmp_path, fmt="JPEG")
-    cpu = DaliSource(folder_config(tmp_path, augment=True), torch.device("cpu"), torch.float32)
+    cpu = DaliSource(folder_config(tmp_path, augment=True).source_spec(), torch.device("cpu"), torch.float32)
     cpu.batch("train", 0, 4, 4, 16)
     state = cpu.state()
     assert state["decode"] == "host"
@@ -437,7 +438,8 @@ def test_a_checkpoint_decoded_elsewhere_is_refused_on_resume(tmp_path):
     with pytest.raises(ConfigError, match="decoded its JPEGs on the GPU; resume on a GPU to draw"):
         cpu.restore(dict(state, decode="gpu"))
     for decode, old_ok in (("gpu", True), ("host", False)):  # defined on "cuda", not built: no GPU here
-        src = DaliSource(folder_config(tmp_path, augment=True, decode=decode), torch.device("cuda"), torch.float16)
+        src = DaliSource(folder_config(tmp_path, augment=True, decode=decode).source_spec(), torch.device("cuda"),
+                         torch.float16)
         src.restore(dict(state, decode=decode))
         if old_ok:
             src.restore({k: v for k, v in state.items() if k != "decode"})
@@ -583,7 +585,7 @@ def test_file_reads_are_plain_not_mapped(tmp_path):
     file (the values: ``test_imagefolder_exact_order_and_values``)."""
     from nvidia.dali import fn
     make_folder(tmp_path)
-    src = DaliSource(folder_config(tmp_path), torch.device("cpu"), torch.float32)
+    src = DaliSource(folder_config(tmp_path).source_spec(), torch.device("cpu"), torch.float32)
     seen = {}
     real = fn.io.file.read
 

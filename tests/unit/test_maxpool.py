@@ -79,9 +79,13 @@ def test_only_the_poolings_it_covers_are_swapped():
 
 
 def test_it_is_used_on_cuda_with_inductor_only():
-    assert swaps_step_ops("cuda", "auto") and swaps_step_ops("cuda", "inductor")
-    assert not swaps_step_ops("cuda", "none") and not swaps_step_ops("cpu", "auto")
-    assert not swaps_step_ops("cpu", "inductor") and not swaps_step_ops("cpu", "none")
+    from tr_hydra.compiler.compile import inductor_wanted
+
+    def used(device_type: str, compile: str) -> bool:
+        return swaps_step_ops(device_type, inductor_wanted(small_config(compile=compile), device_type))
+    assert used("cuda", "auto") and used("cuda", "inductor")
+    assert not used("cuda", "none") and not used("cpu", "auto")
+    assert not used("cpu", "inductor") and not used("cpu", "none")
 
 
 def test_inductor_compiles_it_to_pytorchs_gradients():

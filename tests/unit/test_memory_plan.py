@@ -222,6 +222,23 @@ def test_fused_amp_plan_leaves_the_fp32_matrix_gradients_out():
         PlanConditions(amp=False, matrix_grads_fp32=False)
 
 
+def test_a_plan_and_its_run_read_runtime_kernels_alike():
+    """runtime.kernels is decided once (``fused_wanted``): the plan made before a device is known
+    (tr-plan; device=auto counts as CUDA) and the run's kernels (none on the CPU but asked-for
+    Triton) follow the same answer."""
+    import dataclasses
+
+    from tr_hydra.compiler.compile import fused_update_reads_16bit, fused_wanted
+    from tr_hydra.runtime.executor import fused_kernels
+    for kernels, device, fused in (("auto", "auto", True), ("auto", "cuda", True), ("auto", "cpu", False),
+                                   ("triton", "cpu", True), ("torch", "cuda", False)):
+        pc = small_config(amp=True)
+        pc = dataclasses.replace(pc, runtime=dataclasses.replace(pc.runtime, kernels=kernels, device=device))
+        assert fused_update_reads_16bit(pc) is fused, (kernels, device)
+        assert fused_wanted(kernels, "cpu" if device == "cpu" else "cuda") is fused
+    assert fused_kernels("auto", "cpu") is None and fused_kernels("torch", "cuda") is None
+
+
 def test_executor_refuses_a_plan_without_the_gradients_it_would_write(tmp_path, monkeypatch):
     from tr_hydra.runtime import build
     real = build.compile_plan

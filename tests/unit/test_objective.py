@@ -7,8 +7,8 @@ import pytest
 
 from tr_hydra.cli._common import compose
 from tr_hydra.config import objective
-from tr_hydra.config.plan_config import plan_config_from
 from tr_hydra.errors import ConfigError
+from tr_hydra.resolve import resolve
 from tr_hydra.telemetry.sweep import format_table, split_overrides
 
 HISTORY = [  # metrics.json's records; the second epoch ran no validation
@@ -30,12 +30,12 @@ def test_no_validation_is_nan():
 
 
 def test_the_config_checks_the_objective():
-    assert plan_config_from(compose(["trainer.objective=val/loss"])).trainer.objective == "val/loss"
+    assert resolve(compose(["trainer.objective=val/loss"])).trainer.objective == "val/loss"
     with pytest.raises(ConfigError, match=r"trainer.objective: 'val/acc' is not one of val/top1, val/top5"):
-        plan_config_from(compose(["trainer.objective=val/acc"]))
+        resolve(compose(["trainer.objective=val/acc"]))
     with pytest.raises(ConfigError, match="trainer.objective=val_ema/top1 needs ema=true"):
-        plan_config_from(compose(["trainer.objective=val_ema/top1"]))
-    plan_config_from(compose(["trainer.objective=val_ema/top1", "ema=true"]))
+        resolve(compose(["trainer.objective=val_ema/top1"]))
+    resolve(compose(["trainer.objective=val_ema/top1", "ema=true"]))
 
 
 def test_a_sweeper_going_the_wrong_way_is_refused():

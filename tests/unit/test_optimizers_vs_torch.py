@@ -7,8 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import instantiate_model
-from tr_hydra.config.plan_config import OptimizerSpec
-from tr_hydra.runtime.schedule import epoch_schedule
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import OptimizerSpec
 from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config

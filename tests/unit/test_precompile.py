@@ -7,7 +7,7 @@ import pytest
 
 from tr_hydra import startup
 from tr_hydra.cli._common import compose
-from tr_hydra.config.plan_config import plan_config_from
+from tr_hydra.resolve import resolve
 from tr_hydra.startup import children as pcm
 from tr_hydra.startup import launcher as lch
 
@@ -38,8 +38,8 @@ def test_memory_limit_counts_each_child_and_the_main_activations():
 
 
 def test_default_is_auto_and_counts_are_accepted():
-    assert plan_config_from(compose([])).runtime.precompile == "auto"
-    assert plan_config_from(compose(["runtime.precompile=3"])).runtime.precompile == 3
+    assert resolve(compose([])).runtime.precompile == "auto"
+    assert resolve(compose(["runtime.precompile=3"])).runtime.precompile == 3
 
 
 def test_children_run_each_variant_and_a_failure_is_reported_not_raised():
@@ -63,7 +63,7 @@ def test_children_of_a_ddp_rank_join_no_process_group(monkeypatch):
     """Under torchrun the children inherit RANK, WORLD_SIZE and MASTER_ADDR; they must build the
     rank's plan (its world size) without joining the group, or they would hang it."""
     import dataclasses
-    from tr_hydra.config.plan_config import DistSpec
+    from tr_hydra.config.specs import DistSpec
     for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
                  ("MASTER_PORT", "1")):
         monkeypatch.setenv(k, v)

@@ -129,7 +129,7 @@ def test_prepared_for_cuda_with_inductor_only():
         model, logs = build_model("resnet18_cifar", 10), []
         with torch.device("meta"):
             first = find_first_convs(build_model("resnet18_cifar", 10), 3)
-        prepared = prepare(model, first, torch.device(device), True, "inductor", False, log=logs.append)
+        prepared = prepare(model, first, torch.device(device), True, True, False, log=logs.append)
         assert prepared.linears == swapped and uses_blas(model) == (not swapped)
         assert any(ln == "linear: fc computed as a reduction Inductor compiles: the step calls no cuBLAS "
                    "product and holds no cuBLAS workspace" for ln in logs) == bool(swapped), logs

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from tr_hydra.compiler.compile import compile_plan
-from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
+from tr_hydra.config.epochs import epoch_schedule, val_schedule
+from tr_hydra.config.specs import OptimizerSpec, TrainerSpec
 from tr_hydra.memory.regions import MATRIX_KINDS, PARAM_KINDS, Region as R, series_span
 from tr_hydra.runtime.build import Runtime
-from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
 from tr_hydra.train.trainer import Trainer
 from tr_hydra.runtime.schedule import lr_at
 
@@ -197,7 +197,7 @@ def test_six_variants_and_epoch_schedules():
 
 
 def test_drop_last_removes_last_variants():
-    from tr_hydra.config.plan_config import make_variants
+    from tr_hydra.config.epochs import make_variants
     vs = make_variants(train_size=200, val_size=64, batch_size=32, val_batch_size=32, base_res=16,
                        lowres_res=12, lowres_epochs=1, val_res=16, drop_last=True)
     assert [v.name for v in vs] == ["train_base", "train_lowres", "val_base"]

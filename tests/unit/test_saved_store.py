@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tr_hydra import startup
-from tr_hydra.config.plan_config import OptimizerSpec, RuntimeSpec, TrainerSpec
+from tr_hydra.config.specs import OptimizerSpec, RuntimeSpec, TrainerSpec
 from tr_hydra.internals import saved_compile
 from tr_hydra.startup import store as st
 from tr_hydra.startup.report import StartupReport
@@ -490,13 +490,13 @@ def test_no_launcher_is_started_when_every_child_variant_is_kept(tmp_path, monke
 def test_the_option_is_on_by_default_and_can_be_turned_off():
     from hydra.errors import ConfigCompositionException
     from tr_hydra.cli._common import compose
-    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.resolve import resolve
     from tr_hydra.errors import ConfigError
-    assert plan_config_from(compose([])).runtime.saved_store_gb == 4.0
-    assert plan_config_from(compose(["runtime.saved_store_gb=0.5"])).runtime.saved_store_gb == 0.5
-    assert plan_config_from(compose(["runtime.saved_store_gb=0"])).runtime.saved_store_gb == 0
+    assert resolve(compose([])).runtime.saved_store_gb == 4.0
+    assert resolve(compose(["runtime.saved_store_gb=0.5"])).runtime.saved_store_gb == 0.5
+    assert resolve(compose(["runtime.saved_store_gb=0"])).runtime.saved_store_gb == 0
     with pytest.raises(ConfigError, match=r"runtime.saved_store_gb: must be a size in GB >= 0 \(0: no store\)"):
-        plan_config_from(compose(["runtime.saved_store_gb=-1"]))
+        resolve(compose(["runtime.saved_store_gb=-1"]))
     for gone in ("runtime.saved_store=false", "runtime.precompile_saved=false"):  # folded into saved_store_gb
         with pytest.raises(ConfigCompositionException):
             compose([gone])

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tr_hydra.compiler.compile import instantiate_model
-from tr_hydra.config.plan_config import OptimizerSpec, TrainerSpec
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import OptimizerSpec, TrainerSpec
 from tr_hydra.memory.regions import Region as R
 from tr_hydra.runtime.guards import NonFiniteError
-from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train.trainer import Trainer
 

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tr_hydra.config.epochs import epoch_schedule
 from tr_hydra.models.stem import (ImageConv2d, SpaceToDepthConv2d, eligible, image_input_recomputed,
                                    space_to_depth_stem)
-from tr_hydra.runtime.schedule import epoch_schedule
 from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import assert_folding_keeps_the_logits, small_config

@@ -6,14 +6,14 @@ import torch.nn as nn
 
 from tr_hydra.cli._common import compose
 from tr_hydra.compiler import tuning
-from tr_hydra.config.plan_config import plan_config_from
-from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
+from tr_hydra.config.epochs import epoch_schedule, val_schedule
 from tr_hydra.internals.compile import inductor_map
 from tr_hydra.internals.upcast_per_use import PASS
+from tr_hydra.resolve import resolve
 
 
 def _pc(*overrides):
-    return plan_config_from(compose(list(overrides)))
+    return resolve(compose(list(overrides)))
 
 
 SMALL = ("model=resnet_mini", "variants.train_size=1000", "variants.batch_size=64", "variants.val_size=300",

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tr_hydra.memory.regions import PARAM_KINDS, Region as R, series_span
-from tr_hydra.runtime.schedule import val_schedule
+from tr_hydra.config.epochs import val_schedule
 from tr_hydra.train.trainer import Trainer
 
 from tests.helpers import small_config

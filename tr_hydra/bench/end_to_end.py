@@ -15,8 +15,8 @@ from tr_hydra.bench.baselines import e2e_dali_compile, e2e_dataloader_compile
 from tr_hydra.bench.modes import lr_of, pick_modes, ready_runtime
 from tr_hydra.bench.report import kernel_profile, write_json
 from tr_hydra.bench.timing import Marks, epoch_rates, sync
+from tr_hydra.config.epochs import epoch_schedule
 from tr_hydra.data.dali_source import decodes_on_host
-from tr_hydra.runtime.schedule import epoch_schedule
 
 
 def end_to_end(pc, b, device) -> dict:
@@ -65,7 +65,7 @@ def end_to_end(pc, b, device) -> dict:
 def ensure_shards(root: str) -> Path:
     """``<root>/shards``: the folder prepared by tr-prepare's defaults (max_side 320, quality 90),
     written on first use, then reused (tr-prepare checks it is the same preparation)."""
-    from tr_hydra.config.plan_config import DataSpec
+    from tr_hydra.config.specs import DataSpec
     from tr_hydra.data.prepare import Settings, prepare
     out = Path(root) / "shards"
     if not (out / "index.json").is_file():
@@ -86,7 +86,7 @@ def decode_only(pc, device) -> float:
     batch's arrival, as the baselines' rate is (their iterator builds and runs its pipeline's
     first batch before the clock starts)."""
     from tr_hydra.data.dali_source import DaliSource
-    src = DaliSource(pc, device, torch.float16 if pc.amp else torch.float32, log=lambda *_: None)
+    src = DaliSource(pc.source_spec(), device, torch.float16 if pc.amp else torch.float32, log=lambda *_: None)
     try:
         sched = epoch_schedule(pc, 0)
         t, n = time.perf_counter(), 0
@@ -141,15 +141,15 @@ def _write_jpeg(job):
 def folder_config(pc, root: str, compile_mode: str):
     """``pc`` (model, optimizer, precision, batch, resolution) on a JPEG folder: every train
     image once per epoch (the last partial batch included), DALI with every core."""
-    from tr_hydra.config.plan_config import DataSpec, make_variants
+    from tr_hydra.config.epochs import make_variants
+    from tr_hydra.config.specs import DataSpec
     from tr_hydra.data.index import scan_imagefolder
     from tr_hydra.data.sizes import count_images
     n_train, n_val = count_images(Path(root) / "train"), count_images(Path(root) / "val")
     classes = len(scan_imagefolder(root, "train")[1])
     v = pc.variant("train_base")
-    data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, image_size=v.res,
-                    num_threads=os.cpu_count() or 4, hw_decoder_load=pc.data.hw_decoder_load,
-                    decode=pc.data.decode)
+    data = DataSpec(name="imagefolder", root=str(root), num_classes=classes, num_threads=os.cpu_count() or 4,
+                    hw_decoder_load=pc.data.hw_decoder_load, decode=pc.data.decode)
     variants = make_variants(train_size=n_train, val_size=n_val, batch_size=v.batch, val_batch_size=v.batch,
                              base_res=v.res, lowres_res=v.res, lowres_epochs=0, val_res=v.res, drop_last=False)
     return dataclasses.replace(pc, data=data, model=dataclasses.replace(pc.model, num_classes=classes),

@@ -16,8 +16,8 @@ from tr_hydra.bench.baselines import compile_as
 from tr_hydra.bench.modes import lr_of, ready_runtime, runtime_log
 from tr_hydra.bench.report import compile_lines
 from tr_hydra.bench.timing import sync
+from tr_hydra.config.epochs import epoch_schedule, val_schedule
 from tr_hydra.errors import ConfigError, TrHydraError
-from tr_hydra.runtime.schedule import epoch_schedule, val_schedule
 
 MIX_MODES = ("tr", "eager", "reduce-overhead-static", "reduce-overhead-dynamic")
 COLD_PARENT_VAR = "TR_HYDRA_BENCH_COLD_PARENT"  # set for a cold mode's own process: the bench's pid

@@ -15,9 +15,10 @@ import torch
 from tr_hydra import startup
 from tr_hydra.bench.baselines import pytorch_runner
 from tr_hydra.bench.timing import sync
+from tr_hydra.config.epochs import epoch_schedule
 from tr_hydra.errors import ConfigError
 from tr_hydra.runtime.build import Runtime
-from tr_hydra.runtime.schedule import epoch_schedule, lr_at
+from tr_hydra.runtime.schedule import lr_at
 
 # reduce-overhead-tuned: with Inductor's coordinate descent too (tr_hydra's runtime.tuning=full)
 PYTORCH_MODES = ("eager", "compile", "reduce-overhead", "reduce-overhead-tuned")
@@ -102,12 +103,13 @@ def tr_runner(model_name: str, batch: int, res: int, classes: int, compile_mode:
     """tr_hydra's step on a synthetic plan (momentum SGD, one resolution), ready: returns
     ``(step8, rt)``, ``step8()`` running 8 training steps of ``train_base`` as one schedule, and
     the ``Runtime``."""
-    from tr_hydra.config.plan_config import (DataSpec, ModelSpec, OptimizerSpec, PlanConfig,
-                                             RuntimeSpec, TrainerSpec, make_variants)
+    from tr_hydra.config.epochs import make_variants
+    from tr_hydra.config.plan_config import PlanConfig
+    from tr_hydra.config.specs import DataSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec
     n_train = n_train or batch * 64
     pc = PlanConfig(model=ModelSpec(name=model_name, num_classes=classes),
                     optimizer=OptimizerSpec(name="momentum", lr=0.1, weight_decay=5e-5, schedule="constant"),
-                    data=DataSpec(num_classes=classes, image_size=res),
+                    data=DataSpec(num_classes=classes),
                     trainer=TrainerSpec(epochs=1),
                     runtime=RuntimeSpec(device=device.type, compile=compile_mode,
                                         deterministic=deterministic),

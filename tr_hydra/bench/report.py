@@ -248,7 +248,7 @@ def settings_lines(pc, device_type: str) -> list[str]:
         pad = f", its input zero-padded to a multiple of {multiple} channels (16-bit autocast)" if multiple else ""
         lines.append(f"tr_hydra computes the stride-2 convolution over the image as a space-to-depth "
                      f"convolution{pad}; the PyTorch modes run the model's own")
-    if swaps_step_ops(device_type, "inductor"):
+    if swaps_step_ops(device_type, True):
         lines.append("tr_hydra with Inductor computes max pooling's backward as one gathering kernel, "
                      "ReLU's backward from a one-bit mask and a linear layer of 16 outputs or fewer as a "
                      "reduction; the PyTorch modes run the model's own")

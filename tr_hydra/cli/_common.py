@@ -81,6 +81,18 @@ def compose(overrides: list[str], return_hydra_config: bool = False):
     return cfg if more == overrides else _compose(more, return_hydra_config)
 
 
+def without_hydra(cfg):
+    """A config composed with its hydra node (``compose(..., return_hydra_config=True)``) as the
+    same overrides compose it without: the task's config, typed and checked alike."""
+    import copy
+
+    from omegaconf import open_dict
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
 def _compose(overrides: list[str], return_hydra_config: bool):
     from hydra import compose as hcompose, initialize_config_dir
     from tr_hydra.errors import ConfigError

@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
             print("tr-bench: the bench that started this cold mode has ended", file=sys.stderr)
             return 1
     from tr_hydra.bench import report
-    from tr_hydra.config.plan_config import plan_config_from
     from tr_hydra.errors import ConfigError
+    from tr_hydra.resolve import resolve
     from tr_hydra.runtime.build import pick_device
     with user_errors("tr-bench"):
         cfg = compose(argv)
-        pc = plan_config_from(cfg)
+        pc = resolve(cfg)
         b = cfg.bench
         if b.cold and not b.epoch_mix:
             raise ConfigError("bench.cold: applies to the epoch mix; add bench.epoch_mix=true")

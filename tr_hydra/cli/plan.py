@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
               "Prints the memory plan of the composed config (plan.format=json for JSON).")
         return 0
     from tr_hydra.compiler.compile import compile_plan
-    from tr_hydra.config.plan_config import plan_config_from
+    from tr_hydra.resolve import resolve
     with user_errors("tr-plan"):
         cfg = compose(argv)
-        pc = plan_config_from(cfg)
+        pc = resolve(cfg)
         compiled = compile_plan(pc)
     fmt = cfg.plan.format.value if hasattr(cfg.plan.format, "value") else str(cfg.plan.format)
     if fmt == "json":

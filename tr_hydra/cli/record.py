@@ -60,8 +60,10 @@ def resume_changes(run_dir, cfg) -> list[str]:
 
 
 def _diff(old: dict, new: dict) -> list[str]:
+    """The keys whose values differ; a saved key that is no longer an option (the composed
+    ``new`` holds every option) is not one: what it chose is fixed now, and --rerun drops it too."""
     return [k for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not k.startswith(NOT_THE_RUNS)
+            if old.get(k) != new.get(k) and not k.startswith(NOT_THE_RUNS) and k in new
             and not (isinstance(old.get(k), str) and "${" in old[k])]  # saved unresolved by older runs
 
 

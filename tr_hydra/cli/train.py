@@ -7,16 +7,21 @@ import sys
 import time
 from pathlib import Path
 
-from tr_hydra.cli._common import compose, fail, one_line, parse_overrides, user_errors, with_source_defaults
+from tr_hydra.cli._common import (compose, fail, one_line, parse_overrides, user_errors, with_source_defaults,
+                                  without_hydra)
 from tr_hydra.cli.plugins import check_plugins, search_sweeper
 from tr_hydra.cli.run_dir import check_run_dir, check_writable, results_in, take_dir
 from tr_hydra.config.locate import config_dir
 from tr_hydra.errors import ConfigError
+from tr_hydra.resolve import Counts, resolve
 
 # this process's sweep (-m): how many jobs ran, and "job N: reason" for each that failed (main's exit code)
 _SWEEP = {"jobs": 0, "failed": []}
 PER_INVOCATION = ("trainer.max_steps=",)  # what a resume does not take from the run's saved config
 EXIT_JOBS_FAILED = 1  # a sweep ran to its end and some of its jobs failed (2: refused before anything ran)
+# the datasets this invocation counted (``main`` starts it empty): its checks before Hydra and its
+# Hydra task, or a sweep's jobs of the same data, count each once
+_COUNTS = Counts()
 
 
 def _is_multirun(argv: list[str], composed) -> bool:
@@ -75,36 +80,47 @@ def _sweep_jobs(argv: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+def _task_config(argv: list[str], composed):
+    """The config of a run's overrides, without the hydra node: ``composed`` (``_composed(argv)``)
+    where it holds every one of them, else composed again (which says what does not compose)."""
+    if composed is not None and _fixed(argv) == _all_overrides(argv):
+        return without_hydra(composed)
+    return compose(_overrides(argv))
+
+
 def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) -> list[str]:
     """What Hydra would report as a multi-line error or a traceback, as one line (exit 2),
     before anything is written: every override parses, the config of the run (or every job of a
     sweep) composes, the run or sweep dir can be made and holds no other run's results. Then the
     dir is this process's (``take_dir``: a lock, held until the process ends) and named to Hydra
     by its real path; a resume of the run there composes from the run's saved config. Returns
-    argv as Hydra is to run it. ``composed``: ``_composed(argv)``."""
-    from tr_hydra.config.plan_config import plan_config_from, resume_choice
+    argv as Hydra is to run it. ``composed``: ``_composed(argv)``, the one composition of a run's
+    overrides the checks share."""
+    from tr_hydra.config.plan_config import resume_choice
     with user_errors("tr-train"):
         parse_overrides(_all_overrides(argv))
         check_plugins(_all_overrides(argv))
         if not multirun:
-            pc = plan_config_from(compose(_overrides(argv)))
+            cfg = _task_config(argv, composed)
+            pc = resolve(cfg, _COUNTS)
             run_dir, _ = _hydra_dirs(composed)
             if run_dir is None:
                 return argv
             run_dir = os.path.realpath(run_dir)  # "a/nothere/../run1" is run1: the dir checked is the dir used
 
-            def as_run():  # every rank composes what rank 0 does
-                resumed = _resumed(run_dir, argv) if pc.resume is not None else None
-                return resumed or with_source_defaults(argv, composed)
+            def as_run() -> tuple[list[str], bool]:  # every rank composes what rank 0 does
+                resumed = _resumed(run_dir, argv, cfg) if pc.resume is not None else None
+                return (resumed, True) if resumed else (with_source_defaults(argv, composed), False)
             if not rank0:
-                return as_run()
+                return as_run()[0]
             check_writable("hydra.run.dir", run_dir)
             argv = _named("hydra.run.dir", run_dir, argv)
 
             def only_this_run():
                 nonlocal argv
-                argv = as_run()
-                check_run_dir("hydra.run.dir", run_dir, plan_config_from(compose(_overrides(argv))))
+                argv, resumed = as_run()
+                # a resume runs on the run's saved config, composed anew; else the run is pc's
+                check_run_dir("hydra.run.dir", run_dir, resolve(compose(_overrides(argv)), _COUNTS) if resumed else pc)
             take_dir("hydra.run.dir", run_dir, only_this_run)
             return argv
         # a sweep: every job's config composes (a value of the wrong type is refused here, naming
@@ -119,9 +135,11 @@ def _check_before_hydra(argv: list[str], multirun: bool, rank0: bool, composed) 
             _, sweep_dir = _hydra_dirs(fixed)
         else:
             jobs = _sweep_jobs(argv)
-            for job in jobs:
-                compose(_overrides(job))
-            _, sweep_dir = _hydra_dirs(_composed(jobs[0]) if jobs else fixed)
+            first = _composed(jobs[0]) if jobs else None  # with its hydra node: the sweep dir's
+            for i, job in enumerate(jobs):
+                if i or first is None:
+                    compose(_overrides(job))
+            _, sweep_dir = _hydra_dirs(first if jobs else fixed)
         argv = with_source_defaults(argv, fixed)
         if not rank0 or sweep_dir is None:
             return argv
@@ -148,17 +166,17 @@ def _named(key: str, path: str, argv: list[str]) -> list[str]:
     return [a for a in argv if a.split("=", 1)[0].lstrip("+") != key] + [f"{key}={quoted(path)}"]
 
 
-def _resumed(run_dir: str, argv: list[str]) -> list[str] | None:
+def _resumed(run_dir: str, argv: list[str], cfg) -> list[str] | None:
     """A resume of the run in ``run_dir``: argv after the run's saved config, so what the command
     line leaves out is what the run had, not today's default; an override that changes what the
     run computes is refused (``record.resume_changes`` names the rest in the log). None where the
-    dir holds no record."""
+    dir holds no record. ``cfg``: what argv's overrides compose to."""
     from tr_hydra.cli.record import explicit_changes, saved_config
     from tr_hydra.cli.rerun import rerun_overrides
     saved = saved_config(run_dir)
     if saved is None:  # no record (an older run's dir, or a new one): the checkpoint's fingerprint decides
         return None
-    explicit_changes(run_dir, saved, compose(_overrides(argv)), _overrides(argv))
+    explicit_changes(run_dir, saved, cfg, _overrides(argv))
     # trainer.max_steps stops one invocation (a run stopped there goes on when resumed)
     return [o for o in rerun_overrides(run_dir, quiet=True) if not o.startswith(PER_INVOCATION)] + argv
 
@@ -248,12 +266,11 @@ class TrialFailed(RuntimeError):
 
 
 def _train(cfg, run_dir: str, key: str) -> float:
-    from tr_hydra.config.plan_config import plan_config_from
     from tr_hydra.runtime.world import env_world, submitit_job
     w = env_world()
     rank0 = w is None or w[0] == 0  # the other ranks keep no run dir of their own
     changes = _record(cfg, run_dir) if rank0 else []
-    pc = plan_config_from(cfg)
+    pc = resolve(cfg, _COUNTS)
     if rank0:
         check_run_dir(key, run_dir, pc)
     from tr_hydra.train.trainer import Trainer
@@ -331,7 +348,9 @@ def _rank_overrides() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _COUNTS
     argv = sys.argv[1:] if argv is None else argv
+    _COUNTS = Counts()  # what an earlier call in this process counted may have changed since
     rank = _rank_overrides()
     argv = _expand_rerun(argv)
     composed = _composed(argv)

@@ -89,8 +89,7 @@ def fused_kernels_used(pc: PlanConfig, fused: bool | None = None) -> bool:
     ``None`` as ``runtime.kernels`` says for a run on ``runtime.device``, ``auto`` counting as a
     CUDA machine with Triton, as tr-plan assumes."""
     if fused is None:
-        k = pc.runtime.kernels
-        fused = k == "triton" or (k == "auto" and pc.runtime.device != "cpu")
+        fused = fused_wanted(pc.runtime.kernels, "cpu" if pc.runtime.device == "cpu" else "cuda")
     return fused
 
 
@@ -99,6 +98,13 @@ def fused_update_reads_16bit(pc: PlanConfig, fused: bool | None = None) -> bool:
     fused kernels: ``fused_kernels_used``), so that the fp32 matrix gradient regions stay
     empty."""
     return pc.amp and fused_kernels_used(pc, fused)
+
+
+def fused_wanted(kernels: str, device_type: str) -> bool:
+    """``runtime.kernels`` resolved for a run on ``device_type``: the step's fused Triton kernels
+    (``triton``; ``auto``: on CUDA) rather than the plain-torch reference. Where Triton cannot be
+    imported the runtime takes the reference all the same (``runtime.executor.fused_kernels``)."""
+    return kernels == "triton" or (kernels == "auto" and device_type == "cuda")
 
 
 def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -> MemoryPlan:
@@ -158,7 +164,9 @@ def device_type_of(pc: PlanConfig) -> str:
 
 
 def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
-    """``runtime.compile`` resolved: Inductor compiles the model's step (``auto``: on CUDA)."""
+    """``runtime.compile`` resolved: Inductor compiles the model's step (``auto``: on CUDA). The
+    one place that decides it: what depends on it (the swapped ops, the tuning, the recompute)
+    is given its answer."""
     return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
 
 
@@ -179,7 +187,7 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     meta_model.to(dtype=dt)
     from tr_hydra.ops.swaps import swap_step_ops, swaps_step_ops
     from tr_hydra.ops.reduced_linear import uses_blas
-    if swaps_step_ops(device_type, pc.runtime.compile):
+    if swaps_step_ops(device_type, inductor_wanted(pc, device_type)):
         swap_step_ops(meta_model)  # as the runner will: a byte per pooled output, a bit per ReLU output
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))

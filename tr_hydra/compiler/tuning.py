@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tr_hydra.config.epochs import epoch_schedule, val_schedule
 from tr_hydra.internals.tuned_kernels import KERNEL_GAIN, KERNEL_SECONDS
 
 # H200, ResNet-50 at batch 256 and 224², bf16: 7,250 img/s x 3 x 8.18 GFLOP (2026-12-03)
@@ -101,30 +102,25 @@ def forward_flops(model: torch.nn.Module, channels: int, res: int) -> int:
 
 
 def run_steps(pc) -> dict[str, int]:
-    """Steps of each variant over the whole run, as the trainer takes them: per epoch the full
-    batches of the epoch's resolution and its partial last batch; after each whole epoch that
-    ``trainer.val_every`` names, and after the last, a validation (twice with EMA: the live and
-    the EMA weights); ``trainer.max_steps`` training steps at most."""
+    """Steps of each variant over the whole run, as the trainer takes them: per epoch its
+    schedule (``config.epochs``); after each whole epoch that ``trainer.val_every`` names, and
+    after the last, a validation (twice with EMA: the live and the EMA weights);
+    ``trainer.max_steps`` training steps at most."""
     t = pc.trainer
     counts: dict[str, int] = {}
     left = t.max_steps if t.max_steps else None
-    full = pc.train_size // pc.batch_size
-    vb = pc.variant("val_base").batch if pc.has_variant("val_base") else 0
     passes = 2 if pc.ema else 1
+    val = val_schedule(pc)
     for epoch in range(t.epochs):
-        low = epoch < pc.lowres_epochs
-        base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
-        whole = True
-        for name, n in ((base, full), (last, 1 if pc.has_variant(last) else 0)):
-            if left is not None:
-                k = min(n, left)
-                left, whole, n = left - k, whole and k == n, k
-            if n:
-                counts[name] = counts.get(name, 0) + n
-        if whole and vb and ((epoch + 1) % max(t.val_every, 1) == 0 or epoch + 1 == t.epochs):
-            counts["val_base"] = counts.get("val_base", 0) + passes * (pc.val_size // vb)
-            if pc.has_variant("val_last"):
-                counts["val_last"] = counts.get("val_last", 0) + passes
+        steps = epoch_schedule(pc, epoch)
+        taken = steps if left is None else steps[:left]
+        if left is not None:
+            left -= len(taken)
+        for name, _, _ in taken:
+            counts[name] = counts.get(name, 0) + 1
+        if len(taken) == len(steps) and ((epoch + 1) % max(t.val_every, 1) == 0 or epoch + 1 == t.epochs):
+            for name, _, _ in val:
+                counts[name] = counts.get(name, 0) + passes
         if left == 0:
             break
     return counts

@@ -1,11 +1,13 @@
 """PlanConfig: the composed config, checked and frozen, holding all the compiler needs.
 
-Nothing in here refers to Hydra; tests and tools may build a PlanConfig by hand.
+Building one only freezes and checks: what it needs from outside the config (the datasets'
+sizes, the world size, this PyTorch's Inductor options) it is given as plain values
+(``tr_hydra.resolve`` finds them). Nothing in here refers to Hydra; tests and tools may build a
+PlanConfig by hand.
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -13,47 +15,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tr_hydra.config import objective, schema
+from tr_hydra.config.epochs import VariantSpec, make_variants
+from tr_hydra.config.source import SourceSpec
+from tr_hydra.config.specs import (DataSpec, DistSpec, ModelSpec, OptimizerSpec, RuntimeSpec, TrainerSpec,
+                                   frozen, plain)
 from tr_hydra.errors import ConfigError
 from tr_hydra.memory.conditions import PlanConditions
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, enum.Enum):
-        return v.value
-    if isinstance(v, (list, tuple)):
-        return tuple(_plain(x) for x in v)
-    return v
-
-
-def _spec_of(schema_cls, name: str, **defaults) -> type:
-    """The frozen, hashable twin of a schema dataclass (``config.schema``, where each option is
-    declared): the same fields and defaults, enums as their values, lists as tuples;
-    ``defaults`` replace a field's default. A class of this module, so a PlanConfig pickles (the
-    parallel compiles receive one)."""
-    fs = []
-    for f in fields(schema_cls):
-        d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        fs.append((f.name, Any, field(default=_plain(defaults.get(f.name, d)))))
-    cls = dataclasses.make_dataclass(name, fs, frozen=True)
-    cls.__module__, cls.__qualname__ = __name__, name
-    return cls
-
-
-ModelSpec = _spec_of(schema.ModelConfig, "ModelSpec")
-OptimizerSpec = _spec_of(schema.OptimizerConfig, "OptimizerSpec")
-DataSpec = _spec_of(schema.DataConfig, "DataSpec")
-TrainerSpec = _spec_of(schema.TrainerConfig, "TrainerSpec")
-# Inductor's options as sorted (name, value) pairs, so the spec stays hashable; dict(...) gives them back
-RuntimeSpec = _spec_of(schema.RuntimeConfig, "RuntimeSpec", inductor_options=())
-DistSpec = _spec_of(schema.DistConfig, "DistSpec")
-
-
-@dataclass(frozen=True)
-class VariantSpec:
-    name: str       # train_base, train_last, train_lowres, train_lowres_last, val_base, val_last
-    train: bool
-    batch: int
-    res: int
 
 
 @dataclass(frozen=True)
@@ -120,6 +87,13 @@ class PlanConfig:
     def has_variant(self, name: str) -> bool:
         return any(v.name == name for v in self.variants)
 
+    def source_spec(self) -> SourceSpec:
+        """What a data source reads of this plan."""
+        return SourceSpec(data=self.data, num_classes=self.model.num_classes, seed=self.seed,
+                          epochs=self.trainer.epochs, lowres_epochs=self.lowres_epochs,
+                          batch_size=self.batch_size, train_size=self.train_size, val_size=self.val_size,
+                          variants=self.variants)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -134,33 +108,6 @@ class PlanConfig:
             "world_size": self.world_size,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def make_variants(*, train_size: int, val_size: int, batch_size: int, val_batch_size: int,
-                  base_res: int, lowres_res: int, lowres_epochs: int, val_res: int,
-                  drop_last: bool) -> tuple[VariantSpec, ...]:
-    """The variants an epoch schedule needs; the last-batch ones only when a remainder exists."""
-    if batch_size > train_size:
-        raise ConfigError(f"variants.batch_size={batch_size} exceeds the training set size "
-                          f"({train_size}); use a batch of at most {train_size}")
-    rem = 0 if drop_last else train_size % batch_size
-    out = [VariantSpec("train_base", True, batch_size, base_res)]
-    if rem:
-        out.append(VariantSpec("train_last", True, rem, base_res))
-    if lowres_epochs > 0:
-        out.append(VariantSpec("train_lowres", True, batch_size, lowres_res))
-        if rem:
-            out.append(VariantSpec("train_lowres_last", True, rem, lowres_res))
-    vb = min(val_batch_size, val_size)
-    if vb > 0:
-        out.append(VariantSpec("val_base", False, vb, val_res))
-        if val_size % vb:
-            out.append(VariantSpec("val_last", False, val_size % vb, val_res))
-    return tuple(out)
-
-
-def _freeze(spec_cls, obj) -> Any:
-    return spec_cls(**{f.name: _plain(getattr(obj, f.name)) for f in fields(spec_cls)})
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -182,7 +129,9 @@ _BROKEN_VALUES = {"triton.multi_kernel": (
     "load from that cache; leave it at 0")}
 
 
-def _flat_options(opts: Any, prefix: str = "") -> dict:
+def flat_options(opts: Any, prefix: str = "") -> dict:
+    """``runtime.inductor_options`` as dotted names (``{triton: {persistent_reductions: false}}``
+    is ``triton.persistent_reductions``) and their values."""
     if opts is None:
         return {}
     if not isinstance(opts, Mapping):
@@ -191,22 +140,20 @@ def _flat_options(opts: Any, prefix: str = "") -> dict:
     out = {}
     for k, v in opts.items():
         if isinstance(v, Mapping):
-            out.update(_flat_options(v, f"{prefix}{k}."))
+            out.update(flat_options(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-def inductor_options(opts: Any) -> tuple:
-    """``runtime.inductor_options`` checked against this PyTorch's Inductor config: known names
-    (nested maps such as ``{triton: {persistent_reductions: false}}`` are dotted names), values
-    of the option's own type, none that would undo the runtime's own capture. Sorted pairs."""
-    flat = _flat_options(opts)
+def inductor_options(flat: dict, known: dict | None) -> tuple:
+    """``runtime.inductor_options`` (``flat_options``) checked against ``known``, this PyTorch's
+    Inductor options and their defaults: known names, values of the option's own type, none that
+    would undo the runtime's own capture. Sorted pairs. ``known`` None: this PyTorch cannot list
+    them, and Inductor checks them itself."""
     if not flat:
         return ()
-    from tr_hydra.internals.inductor import known_options
-    known = known_options()
-    if known is None:  # this PyTorch cannot list them: Inductor checks them itself
+    if known is None:
         return tuple(sorted(flat.items()))
     out = []
     for name, value in sorted(flat.items()):
@@ -277,35 +224,24 @@ def refuse_added_keys(node, schema_cls, prefix: str = "") -> None:
                 refuse_added_keys(child, type(sub), f"{prefix}{key}.")
 
 
-def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
-    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass).
-
-    With dist=ddp the world size comes from torchrun's environment (or ``world_size``); every
-    rank sees floor(N / world_size) samples per epoch, so all ranks compile the same plan."""
+def config_object(cfg):
+    """The composed config as the schema's dataclass: a DictConfig (keys added with ``+`` that no
+    option declares refused) converted, the dataclass as it is."""
     from omegaconf import DictConfig, OmegaConf
-
-    from tr_hydra.data.sizes import dataset_sizes
     if isinstance(cfg, DictConfig):
         refuse_added_keys(cfg, schema.Config)
         cfg = OmegaConf.to_object(cfg)
-    model = _freeze(ModelSpec, cfg.model)
-    opt = _freeze(OptimizerSpec, cfg.optimizer)
-    data = _freeze(DataSpec, cfg.data)
-    trainer = _freeze(TrainerSpec, cfg.trainer)
-    runtime = _freeze(RuntimeSpec, cfg.runtime)
-    runtime = dataclasses.replace(runtime, inductor_options=inductor_options(cfg.runtime.inductor_options))
-    dspec = _freeze(DistSpec, cfg.dist)
-    if world_size is None:
-        world_size = 1
-        if dspec.mode == "ddp":
-            from tr_hydra.runtime.world import TORCHRUN_HINT, env_world
-            w = env_world()
-            if w is None:
-                raise ConfigError(f"dist=ddp: RANK/WORLD_SIZE are not set; {TORCHRUN_HINT}")
-            world_size = w[1]
+    return cfg
+
+
+def check_values(cfg) -> None:
+    """Every option's value within what the run can take, in one line each (``cfg``: the
+    schema's dataclass, ``config_object``)."""
+    model, opt, data = frozen(ModelSpec, cfg.model), frozen(OptimizerSpec, cfg.optimizer), frozen(DataSpec, cfg.data)
+    trainer, runtime = frozen(TrainerSpec, cfg.trainer), frozen(RuntimeSpec, cfg.runtime)
+    dspec = frozen(DistSpec, cfg.dist)
     _check(dspec.base_batch >= 1, "dist.base_batch", "must be >= 1")
     v = cfg.variants
-
     _check(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
     _check(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
     _check(opt.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
@@ -369,7 +305,23 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
     objective.check(trainer.objective, bool(cfg.ema))
     _check(0 < cfg.ema_decay < 1, "ema_decay", f"must be in (0, 1), got {cfg.ema_decay}")
 
-    train_size, val_size = dataset_sizes(data, v.train_size, v.val_size)
+
+def plan_config_from(cfg, *, train_size: int, val_size: int, world_size: int = 1,
+                     inductor_options: tuple | None = None) -> PlanConfig:
+    """Build a PlanConfig from a composed config (DictConfig or the schema dataclass) and what
+    it needs from outside the config, as plain values: the datasets' sizes (``train_size``,
+    ``val_size``: whole splits), the ranks (``world_size``) and ``runtime.inductor_options``
+    checked against Inductor (``inductor_options``; None: the config's own, unchecked). Reads no
+    file and no environment. Every rank sees floor(N / world_size) samples per epoch, so all
+    ranks compile the same plan."""
+    cfg = config_object(cfg)
+    check_values(cfg)
+    if inductor_options is None:
+        inductor_options = tuple(sorted(flat_options(cfg.runtime.inductor_options).items()))
+    model, opt, data = frozen(ModelSpec, cfg.model), frozen(OptimizerSpec, cfg.optimizer), frozen(DataSpec, cfg.data)
+    trainer, dspec = frozen(TrainerSpec, cfg.trainer), frozen(DistSpec, cfg.dist)
+    runtime = dataclasses.replace(frozen(RuntimeSpec, cfg.runtime), inductor_options=tuple(inductor_options))
+    v = cfg.variants
     if world_size > 1:
         if train_size < world_size or val_size < world_size:
             raise ConfigError(f"dist: {train_size} train / {val_size} val samples cannot be shared by "
@@ -383,7 +335,7 @@ def plan_config_from(cfg, world_size: int | None = None) -> PlanConfig:
                       dist=dspec, world_size=world_size,
                       variants=variants, batch_size=v.batch_size, val_batch_size=v.val_batch_size,
                       lowres_epochs=v.lowres_epochs, train_size=train_size, val_size=val_size,
-                      amp=bool(cfg.amp), amp_dtype=_plain(cfg.amp_dtype), ema=bool(cfg.ema),
+                      amp=bool(cfg.amp), amp_dtype=plain(cfg.amp_dtype), ema=bool(cfg.ema),
                       ema_decay=float(cfg.ema_decay), ema_warmup=bool(cfg.ema_warmup),
                       bn_folded=bool(cfg.plan.bn_folded),
                       share_grad16=bool(cfg.plan.share_grad16), seed=int(cfg.seed),

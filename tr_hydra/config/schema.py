@@ -1,5 +1,5 @@
 """Dataclass schemas behind every config group, registered in Hydra's ConfigStore: the one
-declaration of every option (``plan_config`` derives its frozen specs from these).
+declaration of every option (``specs`` derives their frozen twins from these).
 
 The primary config lists ``tr_hydra_schema`` first in its defaults, so every group file is merged
 into a typed node: a wrong type, an unknown key or an unknown enum value fails at compose time.
@@ -140,7 +140,6 @@ class DataConfig:
     path: Optional[str] = None   # arrays: .npz file
     num_classes: int = 10
     channels: int = 3
-    image_size: int = 32         # native size of generated / built-in images
     train_size: Optional[int] = None  # None: counted from the source
     val_size: Optional[int] = None
     mean: List[float] = field(default_factory=lambda: [123.675, 116.28, 103.53])  # 0-255 scale

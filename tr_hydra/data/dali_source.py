@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.config.epochs import train_variants
+from tr_hydra.config.source import SourceSpec
 from tr_hydra.data.decoder_noise import DecoderNoiseFilter, native_stderr_kept_on_success
 from tr_hydra.data.index import SplitIndex, check_labels, epoch_order, load_arrays, scan_imagefolder
 from tr_hydra.errors import ConfigError, TrHydraError
@@ -35,8 +36,8 @@ class DaliBatch:
     dtype: torch.dtype        # dtype DALI produced (fp16 or fp32)
 
 
-def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
-    d = pc.data
+def load_index(spec: SourceSpec, log=print) -> dict[str, SplitIndex]:
+    d = spec.data
     if d.name in ("imagefolder", "digits"):
         root = d.root
         if d.name == "digits":
@@ -47,7 +48,7 @@ def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
         train, classes = scan_imagefolder(root, "train")
         val, _ = scan_imagefolder(root, "val", classes)
         index = {"train": train, "val": val}
-        _fewer_classes(classes, pc.data.num_classes, os.path.join(root, "train"), log)
+        _fewer_classes(classes, d.num_classes, os.path.join(root, "train"), log)
     elif d.name == "shards":
         if not d.root:
             raise ConfigError("data.root: required for data=shards (a tr-prepare output)")
@@ -58,11 +59,11 @@ def load_index(pc: PlanConfig, log=print) -> dict[str, SplitIndex]:
     elif d.name == "arrays":
         if not d.path:
             raise ConfigError("data.path: required for data=arrays")
-        index = load_arrays(d.path, pc.model.num_classes)
+        index = load_arrays(d.path, spec.num_classes)
     else:
         raise ConfigError(f"data={d.name} is not a DALI source")
     for split in ("train", "val"):
-        check_labels(index[split], pc.model.num_classes, f"{split} split")
+        check_labels(index[split], spec.num_classes, f"{split} split")
     return index
 
 
@@ -178,13 +179,16 @@ def _retire(stream: "_Stream | None") -> None:
 
 
 class DaliSource:
-    def __init__(self, pc: PlanConfig, device: torch.device, out_dtype: torch.dtype,
+    """The batches of a plan's data (``spec``: ``PlanConfig.source_spec``), rank ``shard_id`` of
+    ``num_shards``'s share of each split."""
+
+    def __init__(self, spec: SourceSpec, device: torch.device, out_dtype: torch.dtype,
                  shard_id: int = 0, num_shards: int = 1, log=print):
-        self.pc, self.device, self.log = pc, device, log
+        self.spec, self.device, self.log = spec, device, log
         self.shard_id, self.num_shards = shard_id, num_shards
         self._filtering = False
-        self.index = load_index(pc, log)
-        for split, want in (("train", pc.train_size), ("val", pc.val_size)):
+        self.index = load_index(spec, log)
+        for split, want in (("train", spec.train_size), ("val", spec.val_size)):
             total = want * num_shards
             if len(self.index[split]) < total:
                 raise ConfigError(f"data.{split}_size: the plan expects {total} {split} samples "
@@ -203,11 +207,11 @@ class DaliSource:
         self._bad: set[int] = set()  # train/val sample ids known to be undecodable
         self.skipped = 0
         self._after = None  # the copy out of the latest batch; DALI reuses its buffers after it
-        self.threads = dali_threads(pc.data.num_threads, num_shards)  # DALI's, per pipeline
+        self.threads = dali_threads(spec.data.num_threads, num_shards)  # DALI's, per pipeline
         # where this source's JPEGs are decoded: "host" or "gpu" (kept in a checkpoint's input state)
-        self.decoded_on = "host" if decodes_on_host(pc.data, device.type == "cuda", self.threads) else "gpu"
+        self.decoded_on = "host" if decodes_on_host(spec.data, device.type == "cuda", self.threads) else "gpu"
         if self.index["train"].encoded and device.type == "cuda":
-            d = pc.data
+            d = spec.data
             if self.decoded_on == "host":
                 where = f"on the host ({self.threads} threads)"
             else:
@@ -242,7 +246,7 @@ class DaliSource:
         asynchronous executor ``DEPTH`` batches ahead, with checkpointing (``checkpoint``: the
         state to start from); otherwise the synchronous executor."""
         from nvidia.dali import fn, pipeline_def, types
-        d, encoded = self.pc.data, self.index[split].encoded
+        d, encoded = self.spec.data, self.index[split].encoded
         gpu = (device_override or self.device).type == "cuda"
         host = decodes_on_host(d, gpu, self.threads)
         augment = split == "train" and d.augment
@@ -255,7 +259,7 @@ class DaliSource:
 
         @pipeline_def(batch_size=max_batch, num_threads=self.threads,
                       device_id=(self.device.index or 0) if gpu else None,
-                      seed=(self.pc.seed * 7919 + salt + res * 31 + (split == "val")) % (2**31),
+                      seed=(self.spec.seed * 7919 + salt + res * 31 + (split == "val")) % (2**31),
                       prefetch_queue_depth=DEPTH if stream else 1,
                       exec_async=stream, exec_pipelined=stream, **kw)
         def pipe():
@@ -300,8 +304,8 @@ class DaliSource:
         key = (split, epoch if split == "train" else 0)
         if key not in self._orders:
             self._orders = {k: v for k, v in self._orders.items() if k[0] != split or k[1] >= key[1] - 1}
-            shuffle = self.pc.data.shuffle and split == "train"
-            self._orders[key] = epoch_order(len(self.index[split]), self.pc.seed, epoch, shuffle,
+            shuffle = self.spec.data.shuffle and split == "train"
+            self._orders[key] = epoch_order(len(self.index[split]), self.spec.seed, epoch, shuffle,
                                             self.shard_id, self.num_shards)
         return self._orders[key]
 
@@ -322,7 +326,7 @@ class DaliSource:
         return self._replace_bad(split, self.order(split, epoch)[index * batch:(index + 1) * batch])
 
     def _train_res(self, epoch: int) -> int:
-        return self.pc.variant("train_lowres" if epoch < self.pc.lowres_epochs else "train_base").res
+        return self.spec.variant(train_variants(self.spec, epoch)[0]).res
 
     def _following(self, split: str, pos: tuple, key: tuple) -> tuple | None:
         """The batch the plan asks a (resolution, batch) stream for after ``pos``: the next one
@@ -332,14 +336,14 @@ class DaliSource:
         epoch, index = pos
         res, batch = key
         n = len(self.order(split, epoch))
-        last = ("train_last", "train_lowres_last") if split == "train" else ("val_last",)
-        partial = any(self.pc.has_variant(v) for v in last)
+        partial = (train_variants(self.spec, epoch)[1] is not None if split == "train"
+                   else self.spec.has_variant("val_last"))
         count = n // batch + (1 if n % batch and partial else 0)
         if index + 1 < count:
             return epoch, index + 1
         if split != "train":
             return epoch, 0
-        if epoch + 1 >= self.pc.trainer.epochs or self._train_res(epoch + 1) != res:
+        if epoch + 1 >= self.spec.epochs or self._train_res(epoch + 1) != res:
             return None
         return epoch + 1, 0
 
@@ -438,7 +442,7 @@ class DaliSource:
             if not bad:
                 raise DataError(f"data: the {split} pipeline failed: {str(e).splitlines()[0]}") from None
             paths = [self.index[split].paths[i] if self.index[split].encoded else f"{split} sample {i}" for i in bad]
-            if not self.pc.data.skip_corrupt:
+            if not self.spec.data.skip_corrupt:
                 raise DataError(f"data: cannot decode {paths[0]}"
                                 f"{f' (and {len(paths) - 1} more in this batch)' if len(paths) > 1 else ''}; "
                                 f"set data.skip_corrupt=true to skip such files") from None

@@ -31,8 +31,7 @@ FORMAT = "tr_hydra-shards/1"
 INDEX = "index.json"
 SPLITS = ("train", "val")
 # what the data is, recorded from the source's composed ``data`` (not where or how it is read)
-RECORDED = ("num_classes", "channels", "image_size", "mean", "std", "augment", "crop_scale", "crop_ratio",
-            "flip", "val_crop")
+RECORDED = ("num_classes", "channels", "mean", "std", "augment", "crop_scale", "crop_ratio", "flip", "val_crop")
 
 
 def shard_name(number: int) -> str:
@@ -73,8 +72,8 @@ def read_index(root: str | Path) -> dict:
 
 
 def recorded_data(root: str | Path) -> dict:
-    """The ``data.*`` settings (``RECORDED``: the number of classes, channels, native size,
-    normalisation and augmentation) that the source prepared in ``root`` was composed with, for
+    """The ``data.*`` settings (``RECORDED``: the number of classes, channels, normalisation
+    and augmentation) that the source prepared in ``root`` was composed with, for
     a ``data=shards`` run to take as its defaults; {} where there is none (no finished
     preparation there, one written before this record was kept, a damaged index.json). Never
     raises: the run's own checks report a bad dir."""

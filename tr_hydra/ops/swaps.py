@@ -7,12 +7,11 @@ from torch import nn
 from tr_hydra.ops import maxpool, reduced_linear, relu_mask
 
 
-def swaps_step_ops(device_type: str, compile_mode: str) -> bool:
+def swaps_step_ops(device_type: str, inductor: bool) -> bool:
     """Whether a run's step takes the ops of ``tr_hydra.ops``: on CUDA when Inductor compiles the
-    step. Max pooling's backward then gathers (``maxpool``), ReLU's reads a one-bit mask
-    (``relu_mask``) and a linear layer of few outputs is a reduction (``reduced_linear``); eager,
-    each would cost kernels of its own."""
-    inductor = compile_mode == "inductor" or (compile_mode == "auto" and device_type == "cuda")
+    step (``inductor``: ``compiler.compile.inductor_wanted``). Max pooling's backward then gathers
+    (``maxpool``), ReLU's reads a one-bit mask (``relu_mask``) and a linear layer of few outputs
+    is a reduction (``reduced_linear``); eager, each would cost kernels of its own."""
     return device_type == "cuda" and inductor
 
 

@@ -68,7 +68,7 @@ class Runtime:
         model = model.to(self.device).to(memory_format=torch.channels_last)
         self.inductor = inductor_wanted(pc, self.device.type)
         self.prepared = prepare(model, self.compiled.model_map.first_convs, self.device, pc.amp,
-                                pc.runtime.compile, pc.runtime.deterministic, self.log)
+                                self.inductor, pc.runtime.deterministic, self.log)
         self.model = model
         if self.device.type == "cuda":
             from tr_hydra.runtime.guards import check_memory
@@ -136,7 +136,8 @@ class Runtime:
             src.build_ahead([self._request_key(v) for v in pc.variants])
             return src
         from tr_hydra.data.dali_source import DaliSource
-        return DaliSource(pc, self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size, log=self.log)
+        return DaliSource(pc.source_spec(), self.device, dt, shard_id=self.dist.rank, num_shards=pc.world_size,
+                          log=self.log)
 
     def close(self) -> None:
         """Release the captured graphs (before the process group is destroyed: see

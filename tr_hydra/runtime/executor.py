@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tr_hydra.compiler.compile import Compiled
+from tr_hydra.compiler.compile import Compiled, fused_wanted
 from tr_hydra.compiler.fusion import grads_read_16bit
 from tr_hydra.compiler.program import Node, RangeOp
 from tr_hydra.internals.compile import inductor_map
@@ -90,7 +90,7 @@ class StepContext:
 def fused_kernels(kernels: str, device_type: str):
     """``runtime.kernels`` resolved: the Triton fast path (module), or None for the plain-torch
     reference. The plan depends on it (``compile_plan(fused=...)``)."""
-    if kernels == "torch" or (kernels == "auto" and device_type != "cuda"):
+    if not fused_wanted(kernels, device_type):
         return None
     try:
         from tr_hydra.ops import triton_ops

@@ -82,7 +82,7 @@ def stem_folded(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, compile_mode: str,
+def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, inductor: bool,
             deterministic: bool, log=print) -> Prepared:
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
     rounding. On CUDA: the stride-2 convolution over the image as a stride-1 convolution over
@@ -99,7 +99,7 @@ def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool
         if out.stem_s2d:
             log(f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution")
     image_input_recomputed(model, first_convs, out.stem_channels)
-    if swaps_step_ops(device.type, compile_mode):
+    if swaps_step_ops(device.type, inductor):
         out.maxpools, out.relus, out.linears = swap_step_ops(model)
         if out.maxpools:
             log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "

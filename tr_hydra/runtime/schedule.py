@@ -1,11 +1,11 @@
 """Learning-rate schedules with linear warm-up; evaluated on the host between steps, written to
-the lr device scalar (nothing is re-captured)."""
+the lr device scalar (nothing is re-captured). Which variant each step takes: ``config.epochs``."""
 from __future__ import annotations
 
 import bisect
 import math
 
-from tr_hydra.config.plan_config import OptimizerSpec, PlanConfig
+from tr_hydra.config.specs import OptimizerSpec
 
 
 def lr_at(opt: OptimizerSpec, step: int, steps_per_epoch: int, total_steps: int) -> float:
@@ -24,31 +24,3 @@ def lr_at(opt: OptimizerSpec, step: int, steps_per_epoch: int, total_steps: int)
     if opt.schedule == "poly":
         return opt.min_lr + (opt.lr - opt.min_lr) * (1.0 - t) ** opt.poly_power
     raise ValueError(f"unknown schedule {opt.schedule}")
-
-
-def epoch_schedule(pc: PlanConfig, epoch: int) -> list[tuple[str, int, int]]:
-    """(variant, batch index, batch size) of every step of an epoch, in order."""
-    low = epoch < pc.lowres_epochs
-    base, last = ("train_lowres", "train_lowres_last") if low else ("train_base", "train_last")
-    full = pc.train_size // pc.batch_size
-    steps = [(base, i, pc.batch_size) for i in range(full)]
-    if pc.has_variant(last):
-        steps.append((last, full, pc.variant(last).batch))
-    return steps
-
-
-def val_schedule(pc: PlanConfig) -> list[tuple[str, int, int]]:
-    """(variant, batch index, batch size) of every validation step; the partial last batch is
-    val_last's."""
-    if not pc.has_variant("val_base"):
-        return []
-    vb = pc.variant("val_base").batch
-    steps = [("val_base", i, vb) for i in range(pc.val_size // vb)]
-    if pc.has_variant("val_last"):
-        steps.append(("val_last", len(steps), pc.variant("val_last").batch))
-    return steps
-
-
-def steps_before(pc: PlanConfig, epoch: int) -> int:
-    """The run's steps in the epochs before ``epoch``."""
-    return sum(len(epoch_schedule(pc, e)) for e in range(epoch))

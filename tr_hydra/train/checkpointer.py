@@ -17,7 +17,7 @@ from tr_hydra.config.plan_config import PlanConfig, resume_choice
 from tr_hydra.errors import DiskError
 from tr_hydra.files import jsonable, make_dir
 from tr_hydra.runtime.distributed import all_gather, broadcast, weights_agree
-from tr_hydra.runtime.schedule import steps_before
+from tr_hydra.config.epochs import steps_before
 from tr_hydra.train import checkpoint as ck
 from tr_hydra.train import health, tally
 

@@ -13,9 +13,10 @@ import torch
 
 from tr_hydra import startup
 from tr_hydra.config.plan_config import PlanConfig
+from tr_hydra.config.epochs import epoch_schedule, steps_before
 from tr_hydra.errors import DiskError
 from tr_hydra.runtime.distributed import all_gather, barrier
-from tr_hydra.runtime.schedule import epoch_schedule, lr_at, steps_before
+from tr_hydra.runtime.schedule import lr_at
 from tr_hydra.train import summary as sm
 from tr_hydra.train import tally
 from tr_hydra.train.checkpointer import Checkpointer

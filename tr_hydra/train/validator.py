@@ -3,7 +3,7 @@ BatchNorm folded into a per-channel affine where the plan says so (``plan.bn_fol
 from __future__ import annotations
 
 from tr_hydra.config.plan_config import PlanConfig
-from tr_hydra.runtime.schedule import val_schedule
+from tr_hydra.config.epochs import val_schedule
 
 
 class Validator:
