@@ -34,20 +34,15 @@ import torch
 from tr_hydra.config.epochs import epoch_schedule, val_schedule
 from tr_hydra.internals.tuned_kernels import KERNEL_GAIN, KERNEL_SECONDS
 
-# H200, ResNet-50 at batch 256 and 224², bf16: 7,250 img/s x 3 x 8.18 GFLOP (2026-12-03)
+# The constants below are calibrated on ResNet-50 (bf16) and are where the measurements they come
+# from are kept: docs/performance.md, "Compile effort: runtime.tuning".
+# the step's sustained FLOP rate, to turn a variant's forward FLOPs into seconds a step
 STEP_FLOPS_PER_S = 1.8e14
-# the share of step time coordinate descent saves, the least measured for ResNet-50: 7,336 ->
-# 7,707 img/s (5%, 2026-12-03); 7,250 -> 7,878-7,891 (8%) and the six-variant ImageNet mix 8,520-8,807
-# -> 9,417 (7-10%) on 2026-11-30; CIFAR ResNet-18 +2.5%
+# the share of step time coordinate descent saves (the least measured)
 GAIN = 0.05
-# ResNet-50 (53 BatchNorm layers) with ReLU's one-bit masks, the MLPerf plan cold, only its full
-# training batch tuned and only kernels over 2^20 elements (internals/tuned_kernels.py): coordinate
-# descent took 161.6 s of that variant's compile, 79 kernels (H200, 2026-12-05); with the
-# candidates compiled ahead (internals/compile_ahead.py) it takes 0.44 of that (59.7 s against
-# 136.8 s on one H100, the same 63 kernels): 71 s, 1.3 s a layer
+# coordinate descent's seconds per BatchNorm layer of the model, candidates compiled ahead
 TUNE_SECONDS_PER_NORM = 1.3
-# a validation variant's coordinate descent against a training variant's of the same plan:
-# ResNet-50's 80x224 validation batch 28.5 s, its 143x224 training batch 165.9 s (H100, 2026-12-05)
+# a validation variant's coordinate descent against a training variant's of the same plan
 VAL_SHARE = 0.17
 
 

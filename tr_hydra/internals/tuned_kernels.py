@@ -41,11 +41,10 @@ import sys
 # 2^20 elements: above every per-channel or per-split kernel of the models here (at most a few
 # thousand channels times a few hundred splits), below every activation-sized one (ResNet-50's
 # smallest at batch 32 is 32x7x7x2048 = 3.2M; CIFAR ResNet-18's at batch 128, 128x4x4x512 = 1M).
-# ResNet-50's training step at batch 256 on the H200 (2026-12-03): 80 kernels of 2^23 elements or
-# more tuned in 134 s, 48 of 2^19 or fewer kept; tuning every one of them took 210 s
+# (what this keeps and costs in ResNet-50's step: docs/performance.md, "Compile effort")
 MIN_ELEMENTS = 1 << 20
 # What tuning one kernel costs and saves, the MLPerf plan's full batch of ResNet-50 cold with
-# ReLU's masks (H100, 2026-12-05): its 63 kernels that paid took 58.9-60.5 s in coordinate descent
+# ReLU's masks: its 63 kernels that paid took 58.9-60.5 s in coordinate descent
 # with their candidates compiled ahead (compile_ahead), 1.0 s each, against 136.8 s without on the
 # same machine; Inductor's log of each kernel's time before and after (every one of the 79 tuned)
 # gives 10.4% of their launches' time saved (3.4 ms of 33.1 ms a step, each kernel's launches
