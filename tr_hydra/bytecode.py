@@ -2,8 +2,8 @@
 
 Container images often set ``PYTHONDONTWRITEBYTECODE=1`` and install packages without their
 ``.pyc`` files. Every Python process then compiles each module it imports from source: PyTorch,
-Dynamo and Inductor are about 3,000 modules, and that took 8.4-10.0 s per process on the H200's
-host against 3.4 s with their bytecode cached. A run with parallel compiles starts several such
+Dynamo and Inductor are about 3,000 modules, and that takes several times longer per process
+than with their bytecode cached. A run with parallel compiles starts several such
 processes (the launcher, the children, Inductor's compile workers), and the launcher's imports
 delay every child. So the command-line tools keep the bytecode in tr_hydra's cache instead
 (Python's ``sys.pycache_prefix``), for their own process and, through the environment, for every

@@ -16,8 +16,8 @@ from tr_hydra.models.registry import build_model
 
 # What the BLAS libraries keep per (device, stream) once a matrix product has run: cuBLAS's
 # workspace (32 MiB on Hopper, and with CUBLAS_WORKSPACE_CONFIG=:4096:8, which deterministic runs
-# set), cuBLASLt's (32 MiB) and 1 MiB more; measured with the allocator's history on the H200
-# (torch 2.11). The step warms up and is captured on one stream, so a run holds one set.
+# set), cuBLASLt's (32 MiB) and 1 MiB more; measured with the allocator's history
+# (docs/memory.md). The step warms up and is captured on one stream, so a run holds one set.
 BLAS_WORKSPACE_BYTES = 65 * 2**20
 
 

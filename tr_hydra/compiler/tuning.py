@@ -2,7 +2,7 @@
 
 Inductor's coordinate descent (``coordinate_descent_tuning``) benchmarks the neighbours of a
 Triton kernel's block sizes at its first launch and keeps the fastest; tr_hydra gives it only the
-kernels large enough to gain (``internals/tuned_kernels.py``). On the H200 it makes ResNet-50's step
+kernels large enough to gain (``internals/tuned_kernels.py``). It makes ResNet-50's step
 5-10% faster and costs about a minute more before the first step: worth it for an ImageNet run
 of 37 epochs, a loss for a short one. ``auto`` weighs the two for each variant (each is a compile
 of its own) before anything compiles:

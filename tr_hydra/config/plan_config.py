@@ -125,7 +125,7 @@ _OWNED_OPTIONS = {"coordinate_descent_tuning": "runtime.tuning decides it (auto,
 _BROKEN_VALUES = {"triton.multi_kernel": (
     lambda v: v != 0,
     "with it, loading compiled kernels from Inductor's cache fails (a TypeError inside Triton's "
-    "JITFunction.cache_key, PyTorch 2.11 on the H200), and the parallel compiles and every later run "
+    "JITFunction.cache_key, PyTorch 2.11), and the parallel compiles and every later run "
     "load from that cache; leave it at 0")}
 
 

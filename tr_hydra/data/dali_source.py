@@ -77,7 +77,7 @@ DEPTH = 2  # batches DALI prepares ahead of the one being consumed
 
 
 # tr-prepare's shards decoded on the host pay from this many threads per rank: about 560 img/s a
-# thread, against 6,228 img/s for the same shards decoded on the GPU beside ResNet-50's step (H200)
+# thread, against 6,228 img/s for the same shards decoded on the GPU beside ResNet-50's step (docs/input.md)
 HOST_DECODE_MIN_THREADS = 12
 
 

@@ -2,15 +2,14 @@
 high-water mark while the training process warms up.
 
 With a cold cache, Inductor autotunes a Triton kernel the first time it launches. Before each
-timed run of a candidate it clears the L2 cache by zeroing a buffer the size of L2 (60 MiB on
-the H200), allocated for the benchmark. For the backward's kernels that first launch is in the
+timed run of a candidate it clears the L2 cache by zeroing a buffer the size of L2 (tens of MiB),
+allocated for the benchmark. For the backward's kernels that first launch is in the
 first warm-up step, with every saved activation alive, so the buffer lands on top of the
 step's peak. Inductor already keeps the copies of the arguments a candidate overwrites under
 the high-water mark (``copy_args_to_cpu_if_needed``: the room is ``max_memory_allocated() -
 memory_allocated()``). The same rule applies here to the flush buffer: while the training
 process warms up, each benchmark's buffer is at most that room less those copies (they are
-allocated on top of it, in each timed call), so autotuning never raises the peak (ResNet-50 at
-batch 32, cold caches, H200: 1,645 MiB instead of 1,703). Where the room is smaller than L2 the
+allocated on top of it, in each timed call), so autotuning never raises the peak (``docs/memory.md``). Where the room is smaller than L2 the
 candidates are timed with part of L2 warm; they are still timed alike, each after the same
 flush. The parallel compiles' children keep Inductor's own buffer.
 

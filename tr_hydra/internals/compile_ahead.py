@@ -9,8 +9,8 @@ to Inductor's pool of compile workers, which compile it into Triton's cache the 
 a kernel's first configs (``_precompile_config``); the tuner's own compile of the candidate then
 loads it. The walk, the timings and the config chosen stay Inductor's: a candidate is timed once
 its compile has come back, or failed (the tuner then compiles it itself, as before). Triton keys
-its cache by the ptxas that compiled, so this process is first given the workers' one. On an
-H100 the plan's coordinate descent took 58.9-60.5 s against 136.8 s (``docs/performance.md``).
+its cache by the ptxas that compiled, so this process is first given the workers' one. The
+time it saves: ``docs/performance.md``.
 """
 from __future__ import annotations
 

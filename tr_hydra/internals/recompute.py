@@ -59,11 +59,11 @@ def fresh_compile_for(mode: str, options: dict | None = None, codes=()) -> bool:
     another recompute mode or other Inductor options (``runtime.inductor_options``). Dynamo
     guards a compiled forward on the module's structure, not on the partitioner options, so a
     second trainer in one process (a sweep's next job, a bench mode) would otherwise run the
-    first one's partition: measured on the H200, ``pointwise`` after ``none`` then kept exactly
+    first one's partition: ``pointwise`` after ``none`` then kept exactly
     as much as ``none``. Only those code objects are cleared: ``torch.compiler.reset()``, used
     when no ``codes`` are given, also drops every other compiled function of the process and
-    resets ``torch.compile``'s CUDA graph trees under a reduce-overhead step built before (on
-    the H200 that step compiled and recorded again, and one such process crashed). Returns
+    resets ``torch.compile``'s CUDA graph trees under a reduce-overhead step built before (that
+    step then compiled and recorded again, and one such process crashed). Returns
     whether it cleared."""
     key = (mode, tuple(sorted((options or {}).items())))
     changed = bool(_compiled_with) and _compiled_with[-1] != key

@@ -2,7 +2,7 @@
 
 With Inductor's caches alone, a process still traces each variant another process compiled:
 Dynamo runs the model's Python once more, builds guards, then finds the compiled code in the
-caches (1.9-3.4 s a variant for ResNet-50 on the H200's host). PyTorch can save a whole compile
+caches (seconds a variant for ResNet-50). PyTorch can save a whole compile
 instead: ``torch.compile(fn, fullgraph=True).aot_compile`` traces and compiles once (the
 backward too) and keeps Dynamo's output, the bytecode that calls the compiled code, with the
 code itself (``torch.compiler.load_compiled_function`` loads it, in 0.3-1.3 s there, tracing

@@ -72,7 +72,7 @@ AUTO_STEM_CHANNELS = 8  # 16-bit channels in multiples of 8: the 16 bytes cuDNN'
 def stem_channel_multiple(device_type: str, amp: bool) -> int | None:
     """The channel multiple the convolution over the image reads its input padded to: 8 on
     CUDA with 16-bit autocast (ResNet-50's 12-channel fold reads 16, a 3-channel stem 8: both
-    measured faster on the H200); None (the image as it is) elsewhere (CPU, or fp32, where no
+    measured faster); None (the image as it is) elsewhere (CPU, or fp32, where no
     gain was measured)."""
     return AUTO_STEM_CHANNELS if device_type == "cuda" and amp else None
 

@@ -10,7 +10,7 @@ Inductor's count of its generated code (``docs/results/step_bytes.py``).
 ``BitmaskReLU`` packs the mask into bits, eight channels to a byte, in the same kernel that
 computes the ReLU, and its backward reads that byte: 1/16 of the bytes. The packed mask is kept
 for the backward beside what was kept before (1/16 of the activation: 293 MiB for ResNet-50 at
-batch 256; on the H200 its peak rose 298 MiB and its step ran 5.8% faster, ``docs/performance.md``).
+batch 256; its effect on peak and speed: ``docs/performance.md``).
 The output is ``x`` where the mask is set and 0 elsewhere, read back through the packed mask, so
 Inductor must compute the mask in the forward and keep it (a reduction it may not recompute),
 where a mask used only by the backward would be recomputed there from the output. The output is

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
-# (elements per program, warps) of each kernel: the best of a sweep on the H200 with ResNet-50's
-# spans (python -m tr_hydra.ops.kernel_bench; figures in docs/performance.md)
+# (elements per program, warps) of each kernel: the best of a sweep over ResNet-50's spans
+# (docs/performance.md)
 LAUNCH = {"update": (1024, 8), "lars": (1024, 8), "cast": (2048, 16), "ema": (1024, 8), "nonfinite": (2048, 8)}
 
 # rule codes shared by the kernel and the dispatcher

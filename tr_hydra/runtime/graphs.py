@@ -14,7 +14,7 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream per device on which every warm-up and capture of this process runs.
-    cuBLAS keeps a workspace per stream (65 MiB on the H200) for the life of the process, so
+    cuBLAS keeps a workspace per stream (tens of MiB) for the life of the process, so
     trainers built one after another (a sweep's jobs, tr-bench's modes) share one set instead
     of adding one each."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -31,7 +31,7 @@ def own_blas_workspaces() -> None:
     captured with it writes into those bytes at every replay, yet the graph does not own them:
     whoever clears the workspaces (``torch.compile(mode="reduce-overhead")`` does at each warm-up
     and recording of its CUDA graph trees) hands them back to the allocator, the next tensor
-    lands there, and the replays corrupt it (H200: an illegal address, or a segmentation fault
+    lands there, and the replays corrupt it (an illegal address, or a segmentation fault
     in the trees' next replay). Cleared here, the capture allocates the workspaces inside the
     pool: bytes the graphs hold for as long as they live, whoever clears them later. The warm-up's
     set goes back to the allocator's cache, so the peak does not move. The CUDA graph trees do

@@ -1,5 +1,5 @@
 """A line every so often while a long, silent wait goes on: the warm-up before the first step,
-where the first variant's compile alone takes 40-60 s on the H200 (255 s with
+where the first variant's compile alone takes most of a minute (minutes with
 ``coordinate_descent_tuning``), and where nothing else is printed until the graphs are captured.
 The thread only prints; it makes no CUDA call, so it can run beside a compile and is stopped
 before any capture."""

@@ -237,7 +237,7 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
     rep.phases["start_children"] = time.perf_counter() - t0
     ahead = rec = None
     # a line every 30 s while the search, a variant's compile or the wait for a parallel one
-    # goes on: the first compile alone is 40-60 s on the H200, and nothing else is said
+    # goes on: the first compile alone takes most of a minute, and nothing else is said
     beat = Heartbeat(log, extra=pre.running_note if pre else None)
     try:
         first = plan.own or (train_v + val_v)[0]

@@ -18,7 +18,7 @@ forward of each validation variant.
 With Inductor, the search can start before the first compile (``BeforeFirstRun``). PyTorch keeps
 cuDNN's search results per thread (``thread_local BenchmarkCache`` in ATen's ``Conv_v8.cpp``), so
 a search on another thread does not serve the steps. But what makes the first search of a
-process slow is process-wide: loading cuDNN's kernels (39-48 s against 11-14 s on the H200, on a
+process slow is process-wide: loading cuDNN's kernels (several times slower on a
 freshly started machine). So a thread runs the search while the main thread compiles the first
 variant (Dynamo, AOTAutograd and Inductor work on fake tensors and run no convolution; cuDNN
 releases the GIL while it times its candidates), and the main thread runs it again, now with
@@ -30,8 +30,7 @@ A first variant compiled whole (``aot_compile``, for the saved store) calls no
 compile-end callback: its recorder calls ``BeforeFirstRun.compiled()`` instead. One loaded from
 the store compiles nothing, so the search is done on the calling thread before the warm-up.
 Splitting the search ahead over several threads does not shorten it: cuDNN's loading is serial
-in the process (H200, ResNet-50's 207 convolutions in a fresh process: 17.4 s on one thread,
-15.3-15.7 s on 2 to 16)."""
+in the process (``docs/startup.md``)."""
 from __future__ import annotations
 
 import contextlib

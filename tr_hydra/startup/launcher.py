@@ -1,6 +1,6 @@
 """The launcher of the parallel compiles: a process that imports PyTorch, tr_hydra and
 Inductor once, while the training process builds its runtime, then forks one child per variant
-to compile, so no child imports them again (7-10 s each on the H200's host with five starting
+to compile, so no child imports them again (several seconds each with five starting
 together). Where forking is not available (not Linux) or the launcher fails, each child starts
 as a fresh Python process instead (``python -m tr_hydra.startup.child``).
 
