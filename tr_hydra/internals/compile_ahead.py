@@ -1,9 +1,8 @@
 """Coordinate descent's candidates compiled ahead, in Inductor's compile workers.
 
 Coordinate descent times a kernel's neighbouring configs one after another, and most of its time
-was Triton compiling each candidate just before timing it: ResNet-50's MLPerf plan on an H100
-with Triton's cache kept from an earlier run (every candidate found compiled) took its full
-batch's compile in 92.9 s against 205.1 s. So at the start of a kernel's tuning, and whenever its
+was Triton compiling each candidate just before timing it (with every candidate found in
+Triton's cache, the MLPerf plan's full batch compiled in less than half the time). So at the start of a kernel's tuning, and whenever its
 best config changes, every config one step from that best (those the tuner may time next) goes
 to Inductor's pool of compile workers, which compile it into Triton's cache the way they compile
 a kernel's first configs (``_precompile_config``); the tuner's own compile of the candidate then

@@ -13,9 +13,8 @@ training process loading what a parallel compile made, or any later run) checks 
   ``found_by_coordesc`` over to it.
 
 Either way the loaded kernel's config is not marked, so its first run tunes it again: a
-benchmark of every neighbouring config, each compiled first. On the H200 the training process's
-load of each of three ResNet-50 variants the parallel compiles had tuned took 47–55 s instead of
-2–3 s, with 3,619 benchmarks in all.
+benchmark of every neighbouring config, each compiled first: a load of seconds becomes one of most of a
+minute per variant.
 
 :func:`apply` replaces the method with the fixed form only when the installed one has the
 faulty guard (releases with the fix, such as 2.14, keep their own), and :func:`remove` puts it

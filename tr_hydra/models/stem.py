@@ -1,10 +1,9 @@
 """The stem convolution computed as a space-to-depth convolution.
 
-A stride-2 convolution over the 3-channel image (ResNet's 7x7 stem) is a poor fit for cuDNN: on
-the H200 it ran at about 40 TFLOPS, 2.9 ms of forward and weight gradient per ResNet-50 step at
-batch 256, 8% of the step. The same convolution can be written as a stride-1 convolution over
+A stride-2 convolution over the 3-channel image (ResNet's 7x7 stem) is a poor fit for cuDNN: a
+small share of the FLOPs and a large share of ResNet-50's step. The same convolution can be written as a stride-1 convolution over
 the image folded into 2x2 blocks (12 channels at half the height and width) with a 4x4 kernel
-rearranged from the 7x7 one plus a zero tap. That form ran in 1.5 ms (``docs/performance.md``).
+rearranged from the 7x7 one plus a zero tap. That form runs in about half the time (``docs/performance.md``).
 
 Only the computation changes. The module keeps its ``(O, C, kh, kw)`` weight, so the arena, the
 optimizer, checkpoints and ``state_dict`` are exactly those of the plain model. The rearranged

@@ -2,9 +2,8 @@
 
 ResNet's stem pools its 112x112 activation with a 3x3 window at stride 2. Inductor computes that
 pooling's backward as a gather too, but through the int64 indices it rebuilds from the window
-offsets and with a bounds check per candidate window: on the H200 at batch 256 it was one
-kernel of 1.5 ms, the largest Triton kernel of ResNet-50's step, for a pass that moves about
-0.6 GB (``docs/performance.md``).
+offsets and with a bounds check per candidate window: the largest Triton kernel of ResNet-50's
+step, for a pass that moves little data (``docs/performance.md``).
 
 Here the forward is PyTorch's (``F.max_pool2d`` with indices, which Inductor fuses with the
 BatchNorm and ReLU before it) and keeps, for each output, only the position of its maximum in
@@ -72,7 +71,7 @@ def _kernel():
 
 def __getattr__(name):
     """``maxpool_gather_backward_kernel``, made on first use (Triton imported then): a saved
-    compile (``runtime.saved_compile``) finds the Triton kernels it launches by module and
+    compile (``internals.saved_compile``) finds the Triton kernels it launches by module and
     name when it is loaded."""
     if name == "maxpool_gather_backward_kernel":
         return _kernel()

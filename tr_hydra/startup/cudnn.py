@@ -2,8 +2,7 @@
 
 With ``torch.backends.cudnn.benchmark``, the first call of a convolution with a new shape times
 every candidate plan, on one workspace as large as the largest candidate asks for (PyTorch's
-``generate_and_filter_plans``; 57 MiB for one of CIFAR ResNet-18's backward convolutions at
-batch 512 on the H200). Inside the first step that workspace is allocated while every
+``generate_and_filter_plans``; tens of MiB for some of CIFAR ResNet-18's backward convolutions). Inside the first step that workspace is allocated while every
 activation is alive, so it sets the run's peak memory. Here each convolution the steps will run
 is run once, alone, on tensors of its shape, before the first step: the search then happens with
 only the arena alive, and the step finds its plan in cuDNN's cache. That cache is keyed by the

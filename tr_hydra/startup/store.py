@@ -1,13 +1,12 @@
-"""The saved store: whole compiles (``runtime.saved_compile``) kept for later runs of the same
+"""The saved store: whole compiles (``internals.saved_compile``) kept for later runs of the same
 plan, one file per key in Inductor's cache directory (``tr_hydra_saved/``).
 
 A file that loaded and stepped in a run is kept under a key of everything its compiled code
 depends on (``store_key``). A later run of the same model, shapes, precision and runtime options
 (another learning rate, seed or number of epochs; a sweep's next job) loads it and starts no
 parallel compile for that variant. The training process compiles its own variant whole as
-well, so a later run loads every variant and compiles nothing (H200, ResNet-50's six variants
-warm: 17.8-18.9 s to the first steps against 21.2-24.0 s with the first one compiled from the
-caches). After each run the store is trimmed to ``runtime.saved_store_gb``, least recently used
+well, so a later run loads every variant and compiles nothing (its time to the first steps:
+``docs/startup.md``). After each run the store is trimmed to ``runtime.saved_store_gb``, least recently used
 first; 0 turns it off.
 """
 from __future__ import annotations
