@@ -1,4 +1,4 @@
-"""CUDA: the warm-up's autotuning (startup.autotune_flush, fixed behaviour with Inductor) keeps the
+"""CUDA: the warm-up's autotuning (internals.autotune_flush, fixed behaviour with Inductor) keeps the
 L2-flush buffer of Inductor's runtime autotuning under the memory high-water mark; Inductor's
 own buffer (``fit_under_peak`` taken away) is the reference that raises it."""
 from __future__ import annotations
