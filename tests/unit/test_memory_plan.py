@@ -12,11 +12,22 @@ from tr_hydra.compiler.compile import build_plan
 from tr_hydra.errors import (AlignmentError, ContiguityError, LayerCorrespondenceError, PlanError,
                              PlanLockedError, RegionOrderError)
 from tr_hydra.memory.dtensor import DType, slot_bytes_for
-from tr_hydra.memory.plan import MemoryPlan, PlanConditions, twin_elements
-from tr_hydra.memory.regions import ALL_REGIONS, MATRIX_KINDS, NUM_REGIONS, PARAM_KINDS, Region as R
+from tr_hydra.memory.plan import MemoryPlan, PlanConditions
+from tr_hydra.memory.regions import ALL_REGIONS, MATRIX_KINDS, NUM_REGIONS, PARAM_KINDS, Region as R, series_span
 
 from tests.helpers import small_config
 
+
+
+def twin_elements(plan: MemoryPlan, series_a: str, series_b: str, kinds) -> tuple[int, int]:
+    """Element counts of the same kinds' spans in two series (equal for fp32/16-bit twins)."""
+    kinds = tuple(kinds)
+    def elems(series):
+        start, end = series_span(series, kinds)
+        _, nbytes = plan.region_range(start, end)
+        item = 2 if series in ("A", "G16", "E16") else 4
+        return nbytes // item
+    return elems(series_a), elems(series_b)
 
 def test_region_enum_matches_design():
     assert len(ALL_REGIONS) == 68 and NUM_REGIONS == 69

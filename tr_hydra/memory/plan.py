@@ -6,7 +6,6 @@ locked.
 """
 from __future__ import annotations
 
-from typing import Iterable
 
 from tr_hydra.errors import (
     AlignmentError, ContiguityError, LayerCorrespondenceError, PlanError, PlanLockedError,
@@ -16,9 +15,7 @@ from tr_hydra.memory.conditions import (  # noqa: F401 (PlanConditions: part of 
     PlanConditions, enabled_regions, range_op_spans, shared_regions,
 )
 from tr_hydra.memory.dtensor import ALIGN, DTensor, DType, slot_bytes_for
-from tr_hydra.memory.regions import (
-    ALL_REGIONS, SERIES_KINDS, Region, region_for, series_span,
-)
+from tr_hydra.memory.regions import ALL_REGIONS, SERIES_KINDS, Region, region_for
 
 R = Region
 
@@ -340,17 +337,6 @@ def validate_alignment(plan: MemoryPlan) -> None:
         if plan.region_base[r] % ALIGN:
             raise AlignmentError(f"region {r.name}: base offset {plan.region_base[r]} is not "
                                  f"{ALIGN}-aligned")
-
-
-def twin_elements(plan: MemoryPlan, series_a: str, series_b: str, kinds: Iterable[str]) -> tuple[int, int]:
-    """Element counts of the same kinds' spans in two series (equal for fp32/16-bit twins)."""
-    kinds = tuple(kinds)
-    def elems(series):
-        start, end = series_span(series, kinds)
-        _, nbytes = plan.region_range(start, end)
-        item = 2 if series in ("A", "G16", "E16") else 4
-        return nbytes // item
-    return elems(series_a), elems(series_b)
 
 
 # Device scalars of the training infrastructure (S regions). Hyper-parameters live here so that
