@@ -19,8 +19,8 @@ def _programs(argv):
     from tr_hydra.compiler.compile import compile_plan
     from tr_hydra.compiler.fusion import fuse_updates
     from tr_hydra.compiler.program import build_program
-    from tr_hydra.config.plan_config import plan_config_from
-    compiled = compile_plan(plan_config_from(compose(argv)))
+    from tr_hydra.resolve import resolve
+    compiled = compile_plan(resolve(compose(argv)))
     plain = build_program(compiled)
     return compiled, plain, fuse_updates(plain)
 
