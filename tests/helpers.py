@@ -165,3 +165,23 @@ def triton_code_on_cpu(outputs=None, **config):
         stack.enter_context(inductor_config.patch(
             **{"cpu_backend": "triton", "fx_graph_cache": False, "compile_threads": 1, **config}))
         yield codes
+
+
+def eager_val_metrics(tr) -> dict:
+    """Mean loss, top1, top5 and count of the model as it stands, in eval mode, over the
+    validation set."""
+    import torch
+    import torch.nn.functional as F
+    from tr_hydra.config.epochs import val_schedule
+    tr.model.eval()
+    loss = top1 = top5 = n = 0.0
+    with torch.no_grad():
+        for v, i, size in val_schedule(tr.pc):
+            x, y = tr.source.batch("val", i, tr.pc.variant("val_base").batch, size, tr.pc.variant(v).res)
+            logits = tr.model(x.permute(0, 3, 1, 2))
+            loss += F.cross_entropy(logits, y.long(), reduction="sum").item()
+            top1 += (logits.argmax(1) == y).sum().item()
+            top5 += (logits.topk(5, 1).indices == y[:, None]).any(1).sum().item()
+            n += size
+    tr.model.train()
+    return {"loss": loss / n, "top1": 100 * top1 / n, "top5": 100 * top5 / n, "count": n}

@@ -98,16 +98,23 @@ def _mismatch_worker(rank, store, results):
         dist.destroy_process_group()
 
 
-def test_mismatched_plans_are_refused(tmp_path):
+
+def _two_ranks(worker, tmp_path) -> dict:
+    """``worker(rank, store, results)`` on two spawned ranks; what each put in ``results``, by rank."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_mismatch_worker, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=120) for _ in range(2))
     for p in procs:
         p.join(timeout=60)
+    return got
+
+
+def test_mismatched_plans_are_refused(tmp_path):
+    got = _two_ranks(_mismatch_worker, tmp_path)
     for r in range(2):
         assert "rank 1 compiled another plan" in got[r] and "model 'resnet18' vs 'resnet50'" in got[r]
 
@@ -134,13 +141,5 @@ def _stop_worker(rank, store, results):
 
 
 def test_every_rank_stops_at_the_log_interval_after_one_rank_is_signalled(tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_stop_worker, args=(r, str(tmp_path / "store"), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
+    got = _two_ranks(_stop_worker, tmp_path)
     assert got == {0: [False, False, True], 1: [False, False, True]}

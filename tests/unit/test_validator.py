@@ -6,30 +6,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tr_hydra.memory.regions import PARAM_KINDS, Region as R, series_span
-from tr_hydra.config.epochs import val_schedule
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
-
-
-def _eager(tr) -> dict:
-    """Mean loss, top1, top5 and count of the model as it stands, in eval mode, over the
-    validation set."""
-    tr.model.eval()
-    loss = top1 = top5 = n = 0.0
-    with torch.no_grad():
-        for v, i, size in val_schedule(tr.pc):
-            x, y = tr.source.batch("val", i, tr.pc.variant("val_base").batch, size, tr.pc.variant(v).res)
-            logits = tr.model(x.permute(0, 3, 1, 2))
-            loss += F.cross_entropy(logits, y.long(), reduction="sum").item()
-            top1 += (logits.argmax(1) == y).sum().item()
-            top5 += (logits.topk(5, 1).indices == y[:, None]).any(1).sum().item()
-            n += size
-    tr.model.train()
-    return {"loss": loss / n, "top1": 100 * top1 / n, "top5": 100 * top5 / n, "count": n}
+from tests.helpers import eager_val_metrics, small_config
 
 
 def _close(got: dict, want: dict, rel: float, samples: int) -> None:
@@ -46,11 +27,11 @@ def test_live_and_ema_validation_are_the_eager_metrics_of_those_weights(tmp_path
     tr.fit()
     a = tr.arena
     saved = a.arena.clone()
-    live = _eager(tr)
+    live = eager_val_metrics(tr)
     # the EMA weights and statistics written over the live ones, by hand
     a.span(*series_span("W", PARAM_KINDS)).copy_(a.span(*series_span("E", PARAM_KINDS)))
     a.span(R.B_PREV_MEAN, R.B_PREV_VAR).copy_(a.span(R.B_NEXT_MEAN, R.B_NEXT_VAR))
-    ema = _eager(tr)
+    ema = eager_val_metrics(tr)
     a.arena.copy_(saved)
     assert live["loss"] != ema["loss"]  # (the two are told apart)
     out = tr.validator.validate()
