@@ -18,7 +18,7 @@ def main(device: str) -> int:
     n = 3000  # not a multiple of the block: the masked tail is exercised
     def s(x):
         return torch.tensor([x], dtype=torch.float32, device=dev)
-    h = HyperScalars(lr=s(0.05), momentum=s(0.9), beta1=s(0.9), beta2=s(0.999), eps=s(1e-8), step=s(3.0),
+    h = HyperScalars(lr=s(0.05), momentum=s(0.9), beta1_complement=s(0.1), beta2_complement=s(0.001), eps=s(1e-8), step=s(3.0),
                      trust_coefficient=s(0.001))
     failures = []
     for op, n_state in (("RANGE_UPDATE_WEIGHT_SGD", 0), ("RANGE_UPDATE_WEIGHT_MOMENTUM", 1),

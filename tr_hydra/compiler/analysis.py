@@ -55,7 +55,7 @@ class MetaMemo(DispatchMode):
 @dataclass(frozen=True)
 class ParamInfo:
     name: str                 # named_parameters() name, e.g. layer1.0.conv1.weight
-    kind: str                 # BN_BIAS | BN_WEIGHT | FC_BIAS | FC_WEIGHT | FIRST_CONV | DEEP_CONV
+    kind: str                 # BN_BIAS | BN_WEIGHT | FC_BIAS | FC_WEIGHT | FIRST_CONV | DEEP_CONV (param_role)
     shape: tuple[int, ...]    # PyTorch shape
 
 
@@ -96,28 +96,52 @@ def find_first_convs(model: nn.Module, channels: int, res: int = 32) -> tuple[st
     return tuple(hits)
 
 
+# the normalisations whose affine parameters sit with BatchNorm's (BN_WEIGHT, BN_BIAS): per-channel
+# vectors, in fp32, no weight decay where the optimizer excludes BN and biases
+NORMS = (nn.BatchNorm2d, nn.LayerNorm)
+
+
+def param_role(pname: str, p: torch.Tensor, m: nn.Module, first: tuple[str, ...]) -> str:
+    """The kind of parameter ``pname`` (of module ``m``), which fixes its regions. Matrices
+    (convolution and linear weights: FIRST_CONV, DEEP_CONV, FC_WEIGHT) take weight decay, the
+    trust ratio and 16-bit copies; vectors (BN_WEIGHT, BN_BIAS, FC_BIAS) stay in fp32. A
+    convolution's bias is a bias like a linear layer's (FC_BIAS); a normalisation's scale and
+    shift are BatchNorm's (BN_WEIGHT, BN_BIAS), and so is a per-channel scale a block holds
+    itself (ConvNeXt's layer scale). Anything else raises ``ModelMappingError`` naming it."""
+    mod_name, _, leaf = pname.rpartition(".")
+    where = f"parameter {pname} ({type(m).__name__}.{leaf}, shape {tuple(p.shape)})"
+    if isinstance(m, nn.Conv2d):
+        if leaf == "bias":
+            return "FC_BIAS"
+        if mod_name in first:
+            if m.groups != 1:
+                raise ModelMappingError(f"{where}: a grouped convolution over the image is not supported")
+            return "FIRST_CONV"
+        return "DEEP_CONV"
+    if isinstance(m, nn.Linear):
+        return "FC_WEIGHT" if leaf == "weight" else "FC_BIAS"
+    if isinstance(m, NORMS) and leaf in ("weight", "bias"):
+        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
+            raise ModelMappingError(f"{where}: LayerNorm over more than the channel dimension is not supported")
+        return "BN_WEIGHT" if leaf == "weight" else "BN_BIAS"
+    if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.ConvTranspose2d, nn.BatchNorm1d, nn.BatchNorm3d,
+                      nn.GroupNorm, nn.InstanceNorm2d, nn.Embedding)) or p.dim() == 0 or \
+            sum(d != 1 for d in p.shape) > 1:
+        raise ModelMappingError(f"{where} fits no region: supported are Conv2d weights and biases, Linear "
+                                f"weights and biases, BatchNorm2d and LayerNorm scales and shifts, and "
+                                f"per-channel scale vectors")
+    return "BN_WEIGHT"
+
+
 def map_model(model: nn.Module, channels: int = 3) -> ModelMap:
-    """Map every parameter and buffer to a parameter kind; anything else is a compile error."""
+    """Map every parameter and buffer to a parameter kind (``param_role``); anything else is a
+    compile error."""
     modules = dict(model.named_modules())
     first = find_first_convs(model, channels)
     if not first:
         raise ModelMappingError("no convolution reads the input image; tr_hydra needs a conv stem")
-    params: list[ParamInfo] = []
-    for pname, p in model.named_parameters():
-        mod_name, _, leaf = pname.rpartition(".")
-        m = modules[mod_name]
-        if isinstance(m, nn.Conv2d) and leaf == "weight":
-            if m.groups != 1:
-                raise ModelMappingError(f"parameter {pname}: grouped convolutions are not supported")
-            kind = "FIRST_CONV" if mod_name in first else "DEEP_CONV"
-        elif isinstance(m, nn.Linear):
-            kind = "FC_WEIGHT" if leaf == "weight" else "FC_BIAS"
-        elif isinstance(m, nn.BatchNorm2d) and leaf in ("weight", "bias"):
-            kind = "BN_WEIGHT" if leaf == "weight" else "BN_BIAS"
-        else:
-            raise ModelMappingError(f"parameter {pname} ({type(m).__name__}.{leaf}) fits no region: "
-                                    f"supported are conv weights, BatchNorm2d weight/bias, Linear weight/bias")
-        params.append(ParamInfo(pname, kind, tuple(p.shape)))
+    params = [ParamInfo(pname, param_role(pname, p, modules[pname.rpartition(".")[0]], first), tuple(p.shape))
+              for pname, p in model.named_parameters()]
     bns: list[BNInfo] = []
     for bname, _ in model.named_buffers():
         mod_name, _, leaf = bname.rpartition(".")

@@ -1,6 +1,7 @@
 """Compile: PlanConfig -> model map, MemoryPlan (finalized), variant shapes, step program."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,7 @@ def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -
         else:
             alloc = {"FC_BIAS": plan.alloc_fc_bias, "BN_WEIGHT": plan.alloc_bn_weight,
                      "BN_BIAS": plan.alloc_bn_bias}[p.kind]
-            t = alloc(p.name, p.shape[0])
+            t = alloc(p.name, math.prod(p.shape), p.shape)  # a vector: (C,), or (C, 1, 1) for a layer scale
         masters.append(t)
     if pc.bn_folded:
         eps = {bn.eps for bn in model_map.bns}
@@ -145,9 +146,8 @@ def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -
 
 
 def instantiate_model(pc: PlanConfig, device: str | torch.device = "cpu") -> nn.Module:
-    with torch.device(device):
-        return build_model(pc.model.name, pc.model.num_classes,
-                           zero_init_residual=pc.model.zero_init_residual, width=pc.model.width)
+    return build_model(pc.model.name, pc.model.num_classes, zero_init_residual=pc.model.zero_init_residual,
+                       width=pc.model.width, device=device)
 
 
 def recomputes_pointwise(pc: PlanConfig, device_type: str) -> bool:

@@ -72,14 +72,14 @@ class MemoryPlan:
 
     # ---------------------------------------------------------------- semantic methods
     # master weights and BN statistics (one method per kind; the region is fixed by the method)
-    def alloc_bn_weight(self, name, c):
-        return self._alloc_series("W", "BN_WEIGHT", name, (1, 1, 1, c), (c,))
+    def alloc_bn_weight(self, name, c, torch_shape=None):
+        return self._alloc_series("W", "BN_WEIGHT", name, (1, 1, 1, c), tuple(torch_shape or (c,)))
 
-    def alloc_bn_bias(self, name, c):
-        return self._alloc_series("W", "BN_BIAS", name, (1, 1, 1, c), (c,))
+    def alloc_bn_bias(self, name, c, torch_shape=None):
+        return self._alloc_series("W", "BN_BIAS", name, (1, 1, 1, c), tuple(torch_shape or (c,)))
 
-    def alloc_fc_bias(self, name, c):
-        return self._alloc_series("W", "FC_BIAS", name, (1, 1, 1, c), (c,))
+    def alloc_fc_bias(self, name, c, torch_shape=None):
+        return self._alloc_series("W", "FC_BIAS", name, (1, 1, 1, c), tuple(torch_shape or (c,)))
 
     def alloc_fc_weight(self, name, out_f, in_f):
         return self._alloc_series("W", "FC_WEIGHT", name, (out_f, 1, 1, in_f), (out_f, in_f))
@@ -341,8 +341,8 @@ def validate_alignment(plan: MemoryPlan) -> None:
 
 # Device scalars of the training infrastructure (S regions). Hyper-parameters live here so that
 # schedules change values without re-capturing the step.
-FP32_SCALARS = ("lr", "momentum", "beta1", "beta2", "eps", "weight_decay", "bias_weight_decay",
-                "trust_coefficient", "step", "loss_scale", "inv_loss_scale", "found_inf",
+FP32_SCALARS = ("lr", "momentum", "beta1_complement", "beta2_complement", "eps", "weight_decay",
+                "bias_weight_decay", "trust_coefficient", "step", "loss_scale", "inv_loss_scale", "found_inf",
                 "ema_decay", "nonfinite", "skipped", "nonfinite_step")
 INT32_SCALARS = ("growth_tracker", "step_count")
 RESULT_FIELDS = ("loss_sum", "correct1", "correct5", "count")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.nn as nn
 import torchvision
 
@@ -27,27 +28,47 @@ def model_names() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(name: str, num_classes: int, *, zero_init_residual: bool = False, width: int = 16) -> nn.Module:
+def build_model(name: str, num_classes: int, *, zero_init_residual: bool = False, width: int = 16,
+                device: str | torch.device = "cpu") -> nn.Module:
+    """The model ``name`` with its parameters on ``device``. On the meta device a builder that
+    reads numbers while it builds (RegNet rounds its widths from tensors) is built on the CPU and
+    moved."""
     try:
         fn = _MODELS[name]
     except KeyError:
         raise ConfigError(f"model={name} is unknown; choose one of {', '.join(model_names())}") from None
-    return fn(num_classes=num_classes, zero_init_residual=zero_init_residual, width=width)
+    if zero_init_residual and name not in RESIDUAL_INIT:
+        raise ConfigError(f"model.zero_init_residual applies to the ResNets ({', '.join(sorted(RESIDUAL_INIT))}), "
+                          f"not model={name}")
+    kwargs = dict(num_classes=num_classes, zero_init_residual=zero_init_residual, width=width)
+    try:
+        with torch.device(device):
+            return fn(**kwargs)
+    except NotImplementedError:
+        if torch.device(device).type != "meta":
+            raise
+        return fn(**kwargs).to("meta")
 
 
-@register_model("resnet18")
-def resnet18(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
-    return torchvision.models.resnet18(num_classes=num_classes, zero_init_residual=zero_init_residual)
+# torchvision's convolutional classifiers, under torchvision's names; those of RESIDUAL_INIT
+# take zero_init_residual (each block's last BatchNorm starts at zero)
+TORCHVISION = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
+               "wide_resnet50_2", "regnet_y_1_6gf", "mobilenet_v2", "mobilenet_v3_large",
+               "efficientnet_b0", "efficientnet_v2_s", "densenet121", "convnext_tiny")
+RESIDUAL_INIT = frozenset(TORCHVISION[:7] + ("resnet18_cifar",))
 
 
-@register_model("resnet34")
-def resnet34(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
-    return torchvision.models.resnet34(num_classes=num_classes, zero_init_residual=zero_init_residual)
+def _torchvision(name: str) -> Callable[..., nn.Module]:
+    builder = getattr(torchvision.models, name)
+
+    def build(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+        extra = {"zero_init_residual": zero_init_residual} if name in RESIDUAL_INIT else {}
+        return builder(num_classes=num_classes, **extra)
+    return build
 
 
-@register_model("resnet50")
-def resnet50(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
-    return torchvision.models.resnet50(num_classes=num_classes, zero_init_residual=zero_init_residual)
+for _name in TORCHVISION:
+    register_model(_name)(_torchvision(_name))
 
 
 def cifar_stem(model: nn.Module) -> nn.Module:

@@ -23,8 +23,21 @@ CODES = {"SGD": SGD, "MOMENTUM": MOMENTUM, "NESTEROV": NESTEROV, "ADAM": ADAM, "
 
 
 @triton.jit
+def _one_minus_pow(c, t):
+    """1 - (1 - c)**t as -expm1(t * log1p(-c)), each by its exact-rounding identity from exp and
+    log alone (log1p(x) = log(u) * x / (u - 1) with u = 1 + x; expm1(y) = (e - 1) * y / log(e)
+    with e = exp(y)): the plain form cancels in fp32 (see optimizers._adam)."""
+    u = 1.0 - c
+    l1p = tl.where(u == 1.0, -c, tl.log(u) * (-c) / (u - 1.0))
+    y = t * l1p
+    e = tl.exp(y)
+    em1 = tl.where(e == 1.0, y, (e - 1.0) * y / tl.log(e))
+    return -em1
+
+
+@triton.jit
 def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
-                   lr_ptr, mom_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr, wd_ptr, gate_ptr, a_ptr,
+                   lr_ptr, mom_ptr, c1_ptr, c2_ptr, eps_ptr, step_ptr, wd_ptr, gate_ptr, a_ptr,
                    RULE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_HALF: tl.constexpr = False, gs_ptr=None, HAS_GSCALE: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -54,8 +67,8 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
             w_new = w - lr * (d + mom * m_new)
         tl.store(m_ptr + offs, tl.where(keep > 0.5, m_new, m), mask=mask)
     else:  # ADAM / ADAMW
-        b1 = tl.load(b1_ptr)
-        b2 = tl.load(b2_ptr)
+        c1 = tl.load(c1_ptr)  # 1 - beta1 (optimizers.HyperScalars)
+        c2 = tl.load(c2_ptr)
         eps = tl.load(eps_ptr)
         t = tl.load(step_ptr)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -64,10 +77,10 @@ def _update_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n,
             w = w * (1.0 - lr * wd)
         else:
             g = g + wd * w
-        m_new = m + (1.0 - b1) * (g - m)
-        v_new = v * b2 + (1.0 - b2) * g * g
-        bc1 = 1.0 - tl.exp(t * tl.log(b1))
-        bc2 = 1.0 - tl.exp(t * tl.log(b2))
+        m_new = m + c1 * (g - m)
+        v_new = v * (1.0 - c2) + c2 * g * g
+        bc1 = _one_minus_pow(c1, t)
+        bc2 = _one_minus_pow(c2, t)
         denom = tl.sqrt(v_new) / tl.sqrt(bc2) + eps
         w_new = w - (lr / bc1) * (m_new / denom)
         tl.store(m_ptr + offs, tl.where(keep > 0.5, m_new, m), mask=mask)
@@ -280,7 +293,8 @@ def fused_update(op: str, w, g, states, h, wd, gate=None, segments=None, norms=N
     n = w.numel()
     m = states[0] if states else w
     v = states[1] if len(states) > 1 else w
-    _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1, h.beta2, h.eps, h.step, wd,
+    _update_kernel[_grid(n)](w, g, m, v, n, h.lr, h.momentum, h.beta1_complement,
+                             h.beta2_complement, h.eps, h.step, wd,
                              gate if gate is not None else h.lr, half if half is not None else w,
                              RULE=rule, HAS_GATE=gate is not None, HAS_HALF=half is not None,
                              gs_ptr=g_scale if g_scale is not None else h.lr, HAS_GSCALE=g_scale is not None,

@@ -156,8 +156,8 @@ class StepExecutor:
             return arena.view(pl["scalar." + name]).view(1)
 
         self.s = {n: scalar(n) for n in FP32_SCALARS + INT32_SCALARS}
-        self.h = HyperScalars(lr=self.s["lr"], momentum=self.s["momentum"], beta1=self.s["beta1"],
-                              beta2=self.s["beta2"], eps=self.s["eps"], step=self.s["step"],
+        self.h = HyperScalars(lr=self.s["lr"], momentum=self.s["momentum"], beta1_complement=self.s["beta1_complement"],
+                              beta2_complement=self.s["beta2_complement"], eps=self.s["eps"], step=self.s["step"],
                               trust_coefficient=self.s["trust_coefficient"])
         self.result = arena.view(pl["result.step"]).view(-1)
         self.acc = {n: arena.view(pl["result." + n]).view(-1) for n in ("train", "val", "val_ema")}
@@ -218,7 +218,7 @@ class StepExecutor:
     def init_scalars(self) -> None:
         o = self.pc.optimizer
         wd = o.weight_decay
-        values = {"momentum": o.momentum, "beta1": o.betas[0], "beta2": o.betas[1], "eps": o.eps,
+        values = {"momentum": o.momentum, "beta1_complement": 1.0 - o.betas[0], "beta2_complement": 1.0 - o.betas[1], "eps": o.eps,
                   "weight_decay": wd, "bias_weight_decay": 0.0 if o.wd_exclude_bn_bias else wd,
                   "trust_coefficient": o.trust_coefficient, "step": 0.0,
                   "loss_scale": self.pc.trainer.loss_scale if self.fp16 else 1.0,

@@ -1,0 +1,108 @@
+"""Every torchvision classifier of ``model=``: two of tr_hydra's training steps equal two steps of
+torch.optim on torchvision's own model, from the same init, batches and random masks (dropout,
+stochastic depth), and the plan's layout holds."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tr_hydra.compiler.compile import compile_plan, instantiate_model
+from tr_hydra.config.epochs import epoch_schedule
+from tr_hydra.config.specs import OptimizerSpec
+from tr_hydra.models.registry import TORCHVISION
+from tr_hydra.train.trainer import Trainer
+
+from tests.helpers import small_config
+
+NEW = [m for m in TORCHVISION if m not in ("resnet18", "resnet34", "resnet50")]
+# each model with another of the optimizers that torch.optim has (LARS: test_optimizers_vs_torch)
+OPTIMIZERS = [("adamw", 1e-3, 0.0, 0.05), ("momentum", 0.02, 0.9, 5e-4), ("nesterov", 0.02, 0.9, 5e-4),
+              ("adam", 1e-3, 0.0, 1e-4), ("sgd", 0.05, 0.0, 5e-4)]
+SEEDS = (11, 12)
+# 32x32 leaves these models' last BatchNorms 4 numbers a channel at batch 4: so ill-conditioned
+# that PyTorch's own fp32 runs land 1e-2 from float64 and one rounding more moves 10x that
+RES = {"mobilenet_v2": 64, "mobilenet_v3_large": 64, "efficientnet_b0": 64, "efficientnet_v2_s": 64}  # the generator's seed before each step: the same masks on both sides
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def _decayed(model: nn.Module, name: str) -> bool:
+    """torchvision's reference recipe without decay on norms and biases: only convolution and
+    linear weights decay."""
+    mod = dict(model.named_modules())[name.rpartition(".")[0]]
+    return name.endswith("weight") and isinstance(mod, (nn.Conv2d, nn.Linear))
+
+
+def _torch_opt(model, name, lr, momentum, wd):
+    decay = [p for n, p in model.named_parameters() if _decayed(model, n)]
+    rest = [p for n, p in model.named_parameters() if not _decayed(model, n)]
+    groups = [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+    if name in ("momentum", "nesterov", "sgd"):
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=name == "nesterov")
+    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=lr)
+
+
+@pytest.mark.parametrize("model", NEW)
+def test_two_steps_match_torch_optim_on_the_torchvision_model(tmp_path, model):
+    """Per tensor (weights and BN statistics) after two steps: tr_hydra's distance from a float64
+    run of torch.optim is within 10x the distance of PyTorch's own fp32 run, in whichever of NCHW
+    and channels_last is the less exact (PyTorch's CPU kernels round differently by layout), or
+    of the float64 result rounded to fp32."""
+    name, lr, momentum, wd = OPTIMIZERS[NEW.index(model) % len(OPTIMIZERS)]
+    opt = OptimizerSpec(name=name, lr=lr, momentum=momentum, weight_decay=wd, wd_exclude_bn_bias=True,
+                        schedule="constant")
+    res = RES.get(model, 32)
+    pc = small_config(model=model, optimizer=opt, batch=4, val_batch=4, train_size=8, val_size=4,
+                      res=res, lowres_res=res, val_res=res)
+    compile_plan(pc).plan.validate()  # the four layout validations
+    tr = Trainer(pc, tmp_path, log=lambda *_: None)
+    steps = epoch_schedule(pc, 0)[:2]
+    for k, seed in enumerate(SEEDS):
+        torch.manual_seed(seed)
+        tr.run_steps(steps[k:k + 1], "train", step0=k)
+    got = tr.final_state_dict()
+    data = [tr.source.batch("train", i, pc.batch_size, size, pc.variant(v).res) for v, i, size in steps]
+
+    def reference(dtype, channels_last=False):
+        torch.manual_seed(pc.seed)
+        m = instantiate_model(pc).to(dtype).train()
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        m = m.to(memory_format=fmt)
+        o = _torch_opt(m, name, lr, momentum, wd)
+        for (x, y), seed in zip(data, SEEDS):
+            torch.manual_seed(seed)
+            loss = F.cross_entropy(m(x.permute(0, 3, 1, 2).to(dtype).contiguous(memory_format=fmt)), y.long())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+        return {k: t.detach().clone() for k, t in m.state_dict().items()}
+
+    exact, nchw, cl = reference(torch.float64), reference(torch.float32), reference(torch.float32, True)
+    assert set(got) == set(exact)
+    for key, want in exact.items():
+        if key.endswith("num_batches_tracked"):
+            assert int(got[key]) == 2, key
+            continue
+        err = _rel(got[key], want)
+        bound = 10 * max(_rel(nchw[key], want), _rel(cl[key], want), _rel(want.float(), want))
+        assert err <= bound, f"{model} {key}: {err:.2e} from float64 > {bound:.2e} (10x PyTorch fp32's)"
+
+
+def test_the_torch_optim_check_can_fail(tmp_path):
+    """The check above tells a wrong step: a run whose second step draws other masks (another
+    seed) is not within the bound on a model with dropout and stochastic depth."""
+    pc = small_config(model="efficientnet_b0", optimizer=OptimizerSpec(name="sgd", lr=0.05, schedule="constant"),
+                      batch=4, val_batch=4, train_size=8, val_size=4, res=32, lowres_res=32, val_res=32)
+    runs = []
+    for seeds in (SEEDS, (SEEDS[0], 99)):
+        tr = Trainer(pc, tmp_path / str(seeds[1]), log=lambda *_: None)
+        steps = epoch_schedule(pc, 0)[:2]
+        for k, seed in enumerate(seeds):
+            torch.manual_seed(seed)
+            tr.run_steps(steps[k:k + 1], "train", step0=k)
+        runs.append(tr.final_state_dict()["classifier.1.weight"])
+    assert _rel(runs[1], runs[0]) > 1e-4
