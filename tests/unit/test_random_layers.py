@@ -4,54 +4,21 @@ generator inside the step, deterministic reruns are bit-identical, a resumed run
 masks of the run that never stopped, and what startup draws does not shift that stream."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 
-from tests.helpers import fit_stop_resume, small_config
+from tests.helpers import fit_stop_resume
+from tests.random_layers import RandomMini, random_config
 from tr_hydra import startup
-from tr_hydra.models.registry import ResNetMini, register_model
 from tr_hydra.runtime import rng
 from tr_hydra.train.trainer import Trainer
-
-
-class RandomMini(ResNetMini):
-    """ResNetMini with stochastic depth on layer1's residual branch and dropout before the fc.
-    The same parameters, created in the same order: with one seed it starts from ResNetMini's
-    weights."""
-
-    def __init__(self, num_classes: int = 10, width: int = 16, p_drop: float = 0.3, p_depth: float = 0.3):
-        super().__init__(num_classes, width)
-        self.depth = torchvision.ops.StochasticDepth(p_depth, "row")
-        self.dropout = nn.Dropout(p_drop)
-
-    def forward(self, x):
-        x = self.relu(self.bn1(self.conv1(x)))
-        b = self.layer1
-        branch = b.bn2(b.conv2(b.relu(b.bn1(b.conv1(x)))))
-        x = b.relu(self.depth(branch) + x)  # layer1 keeps its input's shape: no downsample
-        x = self.layer2(x)
-        return self.fc(self.dropout(self.avgpool(x).flatten(1)))
-
-
-register_model("test_random_mini")(lambda num_classes, width=16, **_: RandomMini(num_classes, width))
-register_model("test_random_mini_p0")(
-    lambda num_classes, width=16, **_: RandomMini(num_classes, width, p_drop=0.0, p_depth=0.0))
 
 
 @pytest.fixture
 def deterministic():
     yield
     torch.use_deterministic_algorithms(False)
-
-
-def _config(model="test_random_mini", **kw):
-    base = small_config(model=model, train_size=96, batch=32, val_size=32, **kw)
-    return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, deterministic=True))
 
 
 def _fit(pc, out):
@@ -67,7 +34,7 @@ def _equal(a, b) -> bool:
 def test_the_step_draws_its_masks_from_the_default_generator(tmp_path, deterministic):
     """One training step's loss equals plain PyTorch's (the same weights, the same batch, the
     same generator state, F.cross_entropy), and another generator state gives another loss."""
-    tr = Trainer(_config(epochs=1), tmp_path, log=lambda *_: None)
+    tr = Trainer(random_config(epochs=1), tmp_path, log=lambda *_: None)
     ref = RandomMini(10)
     ref.load_state_dict(tr.final_state_dict())
     ref.train()
@@ -94,16 +61,16 @@ def test_the_step_draws_its_masks_from_the_default_generator(tmp_path, determini
 
 
 def test_deterministic_runs_with_random_layers_are_bit_identical(tmp_path, deterministic):
-    pc = _config(epochs=2)
+    pc = random_config(epochs=2)
     assert _equal(_fit(pc, tmp_path / "a"), _fit(pc, tmp_path / "b"))
 
 
 def test_the_masks_are_drawn(tmp_path, deterministic):
     """With p=0 the model trains to exactly ResNetMini's weights (the same start); with p>0 the
     weights differ from both."""
-    plain = _fit(_config(model="resnet_mini", epochs=1), tmp_path / "plain")
-    p0 = _fit(_config(model="test_random_mini_p0", epochs=1), tmp_path / "p0")
-    drawn = _fit(_config(epochs=1), tmp_path / "drawn")
+    plain = _fit(random_config(model="resnet_mini", epochs=1), tmp_path / "plain")
+    p0 = _fit(random_config(model="test_random_mini_p0", epochs=1), tmp_path / "p0")
+    drawn = _fit(random_config(epochs=1), tmp_path / "drawn")
     assert _equal(plain, p0)
     assert not torch.equal(drawn["fc.weight"], p0["fc.weight"])
     assert not torch.equal(drawn["layer1.conv1.weight"], p0["layer1.conv1.weight"])
@@ -111,7 +78,7 @@ def test_the_masks_are_drawn(tmp_path, deterministic):
 
 @pytest.mark.parametrize("stop_at", [3, 4], ids=["after_epoch_1", "inside_epoch_2"])
 def test_a_resumed_run_draws_the_masks_of_one_that_never_stopped(tmp_path, deterministic, stop_at):
-    full, resumed, at_stop = fit_stop_resume(_config(), tmp_path, stop_at, epochs=3)
+    full, resumed, at_stop = fit_stop_resume(random_config(), tmp_path, stop_at, epochs=3)
     assert at_stop and at_stop[0].endswith(f"_s{stop_at:08d}.pt")
     assert _equal(full.final_state_dict(), resumed.final_state_dict())
 
@@ -136,8 +103,42 @@ def test_what_startup_draws_does_not_shift_a_resumed_runs_masks(tmp_path, determ
     after epoch 1 still ends bit-identical to one that never stopped; without putting the
     generators back after startup it does not, which is what this test would catch."""
     monkeypatch.setattr(startup, "_get_ready", _drawing_startup)
-    full, resumed, _ = fit_stop_resume(_config(), tmp_path / "kept", 3, epochs=2)
+    full, resumed, _ = fit_stop_resume(random_config(), tmp_path / "kept", 3, epochs=2)
     assert _equal(full.final_state_dict(), resumed.final_state_dict())
     monkeypatch.setattr(rng.StartupDraws, "put", lambda self: None)
-    full, resumed, _ = fit_stop_resume(_config(), tmp_path / "shifted", 3, epochs=2)
+    full, resumed, _ = fit_stop_resume(random_config(), tmp_path / "shifted", 3, epochs=2)
     assert not _equal(full.final_state_dict(), resumed.final_state_dict())
+
+
+
+@pytest.mark.parametrize("mode", ["none", "pointwise"])
+def test_runtime_recompute_never_draws_a_mask_again_in_the_backward(mode):
+    """AOTAutograd's partitioner under ``runtime.recompute``'s options, on dropout and stochastic
+    depth: the forward graph draws, the backward graph draws nothing (it uses the forward's
+    masks; a second draw would give gradients of other masks)."""
+    import torchvision
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch import config as fconfig
+    from tr_hydra.internals.recompute import partitioner_options
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+        return compiler
+
+    def f(x, w):
+        h = F.dropout((x @ w).relu(), 0.3, training=True)
+        return torchvision.ops.stochastic_depth(h, 0.3, "row", training=True).relu() * 2.0
+
+    def draws(gm):
+        return [n for n in gm.graph.nodes if n.op == "call_function"
+                and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    with fconfig.patch(**partitioner_options(mode)):
+        fn = aot_function(f, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                          partition_fn=min_cut_rematerialization_partition)
+        x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+        fn(x, w).sum().backward()
+    assert len(draws(graphs["fw"])) >= 2, graphs["fw"].code  # dropout's and stochastic depth's
+    assert not draws(graphs["bw"]), graphs["bw"].code
