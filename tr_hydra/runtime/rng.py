@@ -9,9 +9,9 @@ writes the seed and offset into the generator the graphs hold) steers the replay
 
 Getting the variants ready draws from these generators: the warm-up steps run dropout eagerly,
 cuDNN's algorithm search fills its probes with ``normal_`` (on a thread of its own while the
-first variant compiles), Triton's autotuning makes random inputs. How much is drawn depends on
-how startup went (the variants, ``runtime.warmup_steps``, whether the saved store held the
-compiles, whether cuDNN searched), not on the training. So ``StartupDraws`` takes the state
+first variant compiles). How much is drawn depends on how startup went (the variants,
+``runtime.warmup_steps``, whether the saved store held the compiles, whether cuDNN searched),
+not on the training. So ``StartupDraws`` takes the state
 before startup and puts it back once every graph is captured, as the arena is put back: a
 fresh run's first step draws from the seed's stream right after the model's initialisation,
 and a resumed run's first step from the checkpoint's state, which is the state the run that
