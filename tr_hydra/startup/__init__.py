@@ -207,7 +207,17 @@ def warm_up_hooks(beat, pick, pre: Precompiler | None, load):
 def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
     """Every variant of ``rt`` compiled and captured (see the module's text); ``rt``'s steps
     replay the graphs from then on (``Runtime.use_graphs``). ``launcher``: ``start``'s, taken
-    over (closed here)."""
+    over (closed here). The random generators end as they began: what the cuDNN search, the
+    compiles and the warm-up draw does not shift the stream the steps draw their dropout and
+    stochastic-depth masks from (``runtime.rng``), in a fresh run and a resumed one alike."""
+    from tr_hydra.runtime.rng import StartupDraws
+    draws = StartupDraws.take(rt.device)
+    rep = _get_ready(rt, launcher, log)
+    draws.put()
+    return rep
+
+
+def _get_ready(rt, launcher: Launcher | None, log) -> StartupReport:
     import torch
     from tr_hydra.startup import cudnn
     rep = StartupReport()

@@ -117,7 +117,9 @@ class Trainer:
     def fit(self) -> TrainResult:
         res = TrainResult(arena_bytes=self.rt.compiled.plan.total_bytes)
         start_epoch, step, history = self.checkpointer.resume()
-        self.get_ready()  # after the restore: warm-up snapshots and restores the resumed state
+        # after the restore: startup puts back the resumed arena and random generators after
+        # its warm-up, so the first step draws the masks the run that never stopped drew
+        self.get_ready()
         res.capture_seconds = self.startup.capture_seconds
         res.start_wait_seconds = self._start_together()
         try:
