@@ -1,12 +1,13 @@
 """Every torchvision classifier of ``model=``: two of tr_hydra's training steps equal two steps of
 torch.optim on torchvision's own model, from the same init, batches and random masks (dropout,
-stochastic depth), and the plan's layout holds."""
+stochastic depth), the plan's layout holds, and ``model_final.pt`` loads into torchvision's model."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision
 
 from tr_hydra.compiler.compile import compile_plan, instantiate_model
 from tr_hydra.config.epochs import epoch_schedule
@@ -65,6 +66,9 @@ def test_two_steps_match_torch_optim_on_the_torchvision_model(tmp_path, model):
         torch.manual_seed(seed)
         tr.run_steps(steps[k:k + 1], "train", step0=k)
     got = tr.final_state_dict()
+    # model_final.pt loads, strictly, into torchvision's model of that name
+    final = torch.load(tr.checkpointer.save_final(), map_location="cpu", weights_only=True)
+    getattr(torchvision.models, model)(num_classes=pc.model.num_classes).load_state_dict(final, strict=True)
     data = [tr.source.batch("train", i, pc.batch_size, size, pc.variant(v).res) for v, i, size in steps]
 
     def reference(dtype, channels_last=False):
