@@ -280,5 +280,14 @@ class Config:
 
 
 def register_configs() -> None:
+    """The schema, and a ``model=`` option for each of torchvision's classifiers in the model
+    registry (the other models have their files in ``conf/model/``)."""
     from hydra.core.config_store import ConfigStore
-    ConfigStore.instance().store(name="tr_hydra_schema", node=Config)
+    from tr_hydra.models.registry import RESIDUAL_INIT, TORCHVISION
+    cs = ConfigStore.instance()
+    cs.store(name="tr_hydra_schema", node=Config)
+    for name in TORCHVISION:
+        node = {"name": name, "num_classes": "${data.num_classes}", "init_from": None}
+        if name in RESIDUAL_INIT:
+            node["zero_init_residual"] = False
+        cs.store(group="model", name=name, node=node)
