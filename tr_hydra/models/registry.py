@@ -59,11 +59,9 @@ RESIDUAL_INIT = frozenset(TORCHVISION[:7] + ("resnet18_cifar",))
 
 
 def _torchvision(name: str) -> Callable[..., nn.Module]:
-    builder = getattr(torchvision.models, name)
-
     def build(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
         extra = {"zero_init_residual": zero_init_residual} if name in RESIDUAL_INIT else {}
-        return builder(num_classes=num_classes, **extra)
+        return getattr(torchvision.models, name)(num_classes=num_classes, **extra)
     return build
 
 
