@@ -283,14 +283,19 @@ def test_the_settings_lines_say_where_tr_hydras_model_computes_differently():
     pc = _pc()
     assert report.settings_lines(pc, "cpu") == []  # the CPU runs the model's own stem and pooling
     cuda = report.settings_lines(pc, "cuda")
-    assert any("space-to-depth convolution; the PyTorch modes run the model's own" in ln for ln in cuda), cuda
+    model_own = "; the PyTorch modes run the model's own"
+    # resnet_mini: a 3x3 stride-1 stem and no max pooling, so those two paths are off, saying why
+    assert ("tr_hydra stem: off, no stride-2 convolution over the image (conv1: 3x3 stride 1): plain convolution"
+            in cuda), cuda
     assert not any("multiple of" in ln for ln in cuda)  # fp32: the image as it is
-    assert any(ln.startswith("tr_hydra with Inductor computes max pooling's backward as one gathering kernel, "
-                             "ReLU's backward from a one-bit mask")
-               for ln in cuda)
+    assert "tr_hydra max pooling: off, no nn.MaxPool2d in the model" in cuda, cuda
+    assert any(ln.startswith("tr_hydra ReLU: ") and "one-bit mask" in ln and ln.endswith(model_own) for ln in cuda)
     assert not any("16-bit gradient" in ln for ln in cuda)  # fp32: nothing converted
     amp = report.settings_lines(dataclasses.replace(pc, amp=True), "cuda")
     assert any("its input zero-padded to a multiple of 8 channels (16-bit autocast)" in ln for ln in amp), amp
+    r50 = report.settings_lines(_pc("model=resnet50"), "cuda")
+    assert f"tr_hydra stem: conv1 computed as a space-to-depth convolution{model_own}" in r50, r50
+    assert any(ln.startswith("tr_hydra max pooling: maxpool's backward gathers") for ln in r50), r50
     assert any(ln.startswith("tr_hydra with Inductor stores a 16-bit gradient that several kernels read in 16 bits")
                for ln in amp), amp
     opts = report.settings_lines(_pc("+runtime.inductor_options={max_autotune: true}"), "cpu")

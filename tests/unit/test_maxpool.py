@@ -124,7 +124,7 @@ def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, mon
     from tr_hydra.ops import maxpool, reduced_linear, relu_mask, swaps
     # the last linear layer as a reduction sums in another order, which BatchNorm amplifies past
     # this comparison's tolerance in three steps: it is tested on its own (test_reduced_linear)
-    monkeypatch.setattr(reduced_linear, "reduced_linears", lambda model: [])
+    monkeypatch.setattr(reduced_linear, "reduced_linears", lambda model, **_: [])
     out, logs = {}, []
     for mode in ("native", "gather"):
         torch.manual_seed(0)
@@ -133,7 +133,7 @@ def test_trainer_with_gather_trains_as_with_the_models_own_pooling(tmp_path, mon
         monkeypatch.setattr(swaps, "swaps_step_ops", lambda *a, _on=mode == "gather": _on)
         # the ReLUs it swaps too (ops.relu_mask) change the backward's summation order, which
         # BatchNorm over layer 4's 8 values per channel amplifies: that swap is tested on its own
-        monkeypatch.setattr(relu_mask, "bitmask_relus", lambda model: [])
+        monkeypatch.setattr(relu_mask, "bitmask_relus", lambda model, **_: [])
         tr = Trainer(pc, tmp_path / mode, log=logs.append)
         tr.fit()
         out[mode] = tr.final_state_dict()

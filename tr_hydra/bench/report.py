@@ -238,24 +238,30 @@ def profile_table(profiles: list[dict]) -> str:
 
 def settings_lines(pc, device_type: str) -> list[str]:
     """Under the tables: the process-wide settings every mode ran with, and where tr_hydra's
-    model computes differently from the PyTorch modes' (its stem, max pooling and, under autocast,
-    the width of stored gradients on CUDA)."""
-    from tr_hydra.models.stem import stem_channel_multiple
-    from tr_hydra.ops.swaps import swaps_step_ops
+    model computes differently from the PyTorch modes' (its stem, max pooling, ReLU and linear
+    layers as ``runtime.model_prep.prepare`` sets them up for this model, each path on or off,
+    and, under autocast, the width of stored gradients on CUDA)."""
     lines = [options_line(pc)] if pc.runtime.inductor_options else []
     if device_type == "cuda":
-        multiple = stem_channel_multiple(device_type, pc.amp)
-        pad = f", its input zero-padded to a multiple of {multiple} channels (16-bit autocast)" if multiple else ""
-        lines.append(f"tr_hydra computes the stride-2 convolution over the image as a space-to-depth "
-                     f"convolution{pad}; the PyTorch modes run the model's own")
-    if swaps_step_ops(device_type, True):
-        lines.append("tr_hydra with Inductor computes max pooling's backward as one gathering kernel, "
-                     "ReLU's backward from a one-bit mask and a linear layer of 16 outputs or fewer as a "
-                     "reduction; the PyTorch modes run the model's own")
+        for on, note in model_path_notes(pc, device_type):
+            lines.append(f"tr_hydra {note}" + ("; the PyTorch modes run the model's own" if on else ""))
     if device_type == "cuda" and pc.amp:
         lines.append("tr_hydra with Inductor stores a 16-bit gradient that several kernels read in 16 bits, "
                      "where Inductor stores it converted to float32; the PyTorch modes run Inductor's own")
     return lines
+
+
+def model_path_notes(pc, device_type: str) -> list[tuple[bool, str]]:
+    """``prepare``'s notes for the model of ``pc`` on ``device_type`` with Inductor (tr_hydra's
+    mode), from the model built on the meta device."""
+    import torch
+
+    from tr_hydra.compiler.analysis import find_first_convs
+    from tr_hydra.compiler.compile import instantiate_model
+    from tr_hydra.runtime.model_prep import prepare
+    model = instantiate_model(pc, "meta")
+    first = find_first_convs(model, pc.data.channels)
+    return prepare(model, first, torch.device(device_type), pc.amp, True, False, log=lambda *_: None).notes
 
 
 def options_line(pc) -> str:

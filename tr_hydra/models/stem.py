@@ -24,12 +24,40 @@ import torch.nn.functional as F
 MAX_IN_CHANNELS = 4  # the rearrangement pays off only for thin inputs (the image)
 
 
+def why_not(m: nn.Module) -> str | None:
+    """Why the rearrangement does not apply to ``m`` (None: it applies). It needs a plain
+    ``nn.Conv2d`` of stride 2, no dilation or groups, symmetric zero padding given as numbers, a
+    square kernel (odd or even) and at most ``MAX_IN_CHANNELS`` input channels; a bias is kept
+    as it is."""
+    if type(m) is not nn.Conv2d:
+        return f"{type(m).__name__}, not nn.Conv2d"
+    if m.stride != (2, 2):
+        k = "x".join(map(str, m.kernel_size))
+        return f"{k} stride {m.stride[0] if m.stride[0] == m.stride[1] else m.stride}"
+    if m.dilation != (1, 1) or m.groups != 1:
+        return "dilated" if m.dilation != (1, 1) else f"groups={m.groups}"
+    if m.padding_mode != "zeros" or not isinstance(m.padding, tuple) or m.padding[0] != m.padding[1]:
+        return f"padding {m.padding!r}, {m.padding_mode}"
+    if m.kernel_size[0] != m.kernel_size[1]:
+        return f"kernel {m.kernel_size}"
+    if m.in_channels > MAX_IN_CHANNELS:
+        return f"{m.in_channels} input channels"
+    return None
+
+
 def eligible(m: nn.Module) -> bool:
-    """A Conv2d the rearrangement applies to: stride 2, no dilation or groups, symmetric zero
-    padding, an odd or even square kernel, and at most ``MAX_IN_CHANNELS`` input channels."""
-    return (isinstance(m, nn.Conv2d) and m.stride == (2, 2) and m.dilation == (1, 1) and m.groups == 1
-            and m.padding_mode == "zeros" and isinstance(m.padding, tuple) and m.padding[0] == m.padding[1]
-            and m.kernel_size[0] == m.kernel_size[1] and m.in_channels <= MAX_IN_CHANNELS)
+    """A Conv2d the rearrangement applies to (``why_not``)."""
+    return why_not(m) is None
+
+
+def stem_off_reason(model: nn.Module, names) -> str:
+    """Why no convolution over the image (``names``) takes the space-to-depth form, one line."""
+    modules = dict(model.named_modules())
+    found = [(n, why_not(modules[n])) for n in names if n in modules]
+    if not found:
+        return "no convolution over the image"
+    return ("no stride-2 convolution over the image ("
+            + ", ".join(f"{n}: {r}" for n, r in found if r) + ")")
 
 
 def _geometry(k: int, p: int) -> tuple[int, int]:
@@ -168,7 +196,7 @@ def _convert(model: nn.Module, names, cls, channels: int | None, want=lambda m: 
         m = modules.get(name)
         if m is not None and type(m) is nn.Conv2d and want(m):
             m.__class__ = cls
-            if channels:
+            if channels and m.groups == 1:  # zero channels would shift a grouped conv's groups
                 m.channel_multiple = channels
             changed.append(name)
     return changed

@@ -1,9 +1,10 @@
 """Max pooling whose backward gathers, one Triton kernel over the input.
 
-ResNet's stem pools its 112x112 activation with a 3x3 window at stride 2. Inductor computes that
-pooling's backward as a gather too, but through the int64 indices it rebuilds from the window
-offsets and with a bounds check per candidate window: the largest Triton kernel of ResNet-50's
-step, for a pass that moves little data (``docs/performance.md``).
+A stem's max pooling (ResNet's and DenseNet's: a 3x3 window at stride 2, padding 1, over a
+112x112 activation). Inductor computes that pooling's backward as a gather too, but through the
+int64 indices it rebuilds from the window offsets and with a bounds check per candidate window:
+the largest Triton kernel of ResNet-50's step, for a pass that moves little data
+(``docs/performance.md``).
 
 Here the forward is PyTorch's (``F.max_pool2d`` with indices, which Inductor fuses with the
 BatchNorm and ReLU before it) and keeps, for each output, only the position of its maximum in
@@ -194,24 +195,40 @@ class GatherMaxPool2d(nn.Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-def eligible(m: nn.Module) -> bool:
-    """An ``nn.MaxPool2d`` the kernel covers: square window of at most 11 (offsets fit a byte),
-    square stride and padding, no dilation, floor mode, no indices returned."""
-    if type(m) is not nn.MaxPool2d or m.ceil_mode or m.return_indices:
-        return False
+def why_not(m: nn.MaxPool2d) -> str | None:
+    """Why the kernel does not cover the ``nn.MaxPool2d`` ``m`` (None: it does). It needs a
+    square window of at most 11 (offsets fit a byte), square stride and padding, no dilation,
+    floor mode and no indices returned; any padding PyTorch accepts (at most half the window)."""
+    if m.ceil_mode or m.return_indices:
+        return "ceil_mode" if m.ceil_mode else "return_indices"
     k, s, p, d = (_square(m.kernel_size), _square(m.stride if m.stride is not None else m.kernel_size),
                   _square(m.padding), _square(m.dilation))
-    return None not in (k, s, p, d) and d == 1 and 1 <= k <= 11 and s >= 1
+    if None in (k, s, p, d):
+        return "a window, stride or padding that is not square"
+    if d != 1:
+        return f"dilation {d}"
+    if not (1 <= k <= 11 and s >= 1):
+        return f"window {k}, stride {s}"
+    return None
 
 
-def gather_maxpools(model: nn.Module) -> list[str]:
-    """Swap each eligible ``nn.MaxPool2d`` of ``model`` for ``GatherMaxPool2d``. Returns their names."""
+def eligible(m: nn.Module) -> bool:
+    """An ``nn.MaxPool2d`` (exactly that type) the kernel covers (``why_not``)."""
+    return type(m) is nn.MaxPool2d and why_not(m) is None
+
+
+def gather_maxpools(model: nn.Module, skipped: dict | None = None) -> list[str]:
+    """Swap each eligible ``nn.MaxPool2d`` of ``model`` for ``GatherMaxPool2d``. Returns their
+    names; ``skipped`` (if given) gets each ``nn.MaxPool2d`` left alone, with the reason."""
     swapped = []
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
             if eligible(child):
                 setattr(parent, child_name, GatherMaxPool2d(
                     _square(child.kernel_size), _square(child.stride if child.stride is not None else child.kernel_size),
                     _square(child.padding)))
-                swapped.append(f"{name}.{child_name}" if name else child_name)
+                swapped.append(full)
+            elif type(child) is nn.MaxPool2d and skipped is not None:
+                skipped[full] = why_not(child)
     return swapped

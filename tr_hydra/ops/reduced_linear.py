@@ -11,15 +11,15 @@ workspace is never allocated.
 The products are formed and summed in float32, the bias added in float32, and the result rounded
 to the autocast dtype, as a cuBLAS bf16/fp16 product accumulates in float32 and rounds once:
 the same numbers up to the order of the sum. ``ReducedLinear`` keeps ``nn.Linear``'s
-parameters and ``state_dict``; ``reduced_linears`` turns every ``nn.Linear`` with at most
-``MAX_OUT`` outputs into one.
+parameters and ``state_dict``. The step (``ops.swaps``) turns each ``nn.Linear`` of at most
+``MAX_OUT`` outputs whose input is (N, features), a classifier's head, into one; a linear layer
+over an activation's every position (ConvNeXt's blocks) or of more outputs stays cuBLAS's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tr_hydra.ops import retype
 
 MAX_OUT = 16  # outputs (classes) up to which the product is a reduction
 
@@ -40,10 +40,36 @@ class ReducedLinear(nn.Linear):
         return y.to(dtype)
 
 
-def reduced_linears(model: nn.Module, max_out: int = MAX_OUT) -> list[str]:
-    """Turn each ``nn.Linear`` of ``model`` with at most ``max_out`` outputs into
-    ``ReducedLinear`` in place. Returns their names."""
-    return retype(model, nn.Linear, ReducedLinear, lambda m: m.out_features <= max_out)
+def why_not(name: str, m: nn.Linear, max_out: int, shapes: dict | None) -> str | None:
+    """Why the ``nn.Linear`` ``name`` stays a cuBLAS product (None: it is reduced). It needs at
+    most ``max_out`` outputs and, with ``shapes`` (``ops.call_shapes``), every call over a 2-D
+    (N, features) input: a classifier's head, not a linear layer over every position of an
+    N, H, W, C activation (where the product is no longer small)."""
+    if m.out_features > max_out:
+        return f"more than {max_out} outputs"
+    if shapes is not None:
+        calls = shapes.get(name)
+        if not calls:
+            return "never called"
+        if not all(s is not None and len(s) == 2 for s in calls):
+            return "input not 2-D"
+    return None
+
+
+def reduced_linears(model: nn.Module, max_out: int = MAX_OUT, shapes: dict | None = None,
+                    skipped: dict | None = None) -> list[str]:
+    """Turn each ``nn.Linear`` of ``model`` that ``why_not`` accepts into ``ReducedLinear`` in
+    place (without ``shapes``, by its outputs alone: the reduction is the same product over any
+    leading dimensions). Returns their names; ``skipped`` (if given) gets the others, with the
+    reason."""
+    reasons = {name: why_not(name, m, max_out, shapes) for name, m in model.named_modules() if type(m) is nn.Linear}
+    if skipped is not None:
+        skipped.update({n: r for n, r in reasons.items() if r})
+    modules = dict(model.named_modules())
+    swapped = [n for n, r in reasons.items() if r is None]
+    for n in swapped:
+        modules[n].__class__ = ReducedLinear
+    return swapped
 
 
 def uses_blas(model: nn.Module) -> bool:

@@ -19,15 +19,16 @@ kernel, as BatchNorm and ``torch.relu`` are. NaN passes as ``torch.relu`` passes
 ``not x <= 0``), and the gradients are the same values, summed in another order.
 
 Only where it applies: a 4-D input with a multiple of 8 channels that needs a gradient; anything
-else takes ``torch.relu``. The bytes are laid out for channels-last activations, where eight
-channels are eight neighbours in memory (tr_hydra's layout on CUDA); other layouts get the same
-numbers.
+else takes ``torch.relu``. The swap (``bitmask_relus``) takes an ``nn.ReLU`` (exactly that type:
+ReLU6 and the other activations are not) only where every call's input is such, and an in-place one
+only where computing it out of place changes nothing another op reads (``inplace_unobserved``).
+The bytes are laid out for channels-last activations, where eight channels are eight neighbours
+in memory (tr_hydra's layout on CUDA); other layouts get the same numbers.
 """
 # no ``from __future__ import annotations``: triton_op reads the signature's types as objects
 import torch
 from torch import nn
 
-from tr_hydra.ops import retype
 
 
 def _shifts(device) -> torch.Tensor:
@@ -94,6 +95,95 @@ class BitmaskReLU(nn.ReLU):
         return relu_bitmask(x)[0] if applies(x) else torch.relu(x)
 
 
-def bitmask_relus(model: nn.Module) -> list[str]:
-    """Turn each ``nn.ReLU`` of ``model`` into ``BitmaskReLU`` in place. Returns their names."""
-    return retype(model, nn.ReLU, BitmaskReLU)
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, with the modules tr_hydra swaps in (convolutions, pooling, ReLU, linear
+    layers) as leaves, as the torch.nn modules they replace are."""
+
+    OWN = ("tr_hydra.ops.", "tr_hydra.models.stem", "tr_hydra.runtime.model_prep")
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return super().is_leaf_module(m, qualname) or type(m).__module__.startswith(self.OWN)
+
+
+# leaf modules whose output is a tensor of its own (never a view of, or a write into, an input)
+_FRESH = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.Linear, nn.LayerNorm, nn.GroupNorm,
+          nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd)
+
+
+def _fresh(node, modules) -> bool:
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        return isinstance(m, _FRESH) and not getattr(m, "inplace", False)
+    return node.op == "call_function" and node.target in (torch.cat, torch.stack)
+
+
+def _unobserved(relu, modules, order) -> bool:
+    """Whether no op after the in-place ReLU call ``relu`` reads or writes its input's memory
+    other than through the ReLU's output: then computing the ReLU out of place gives the same
+    numbers. Every node that may share that memory (through views, in-place ops and ``+=``, which
+    torch.fx records as ``+``; any op not known to return a tensor of its own) must have all its
+    other users before the ReLU."""
+    if len(relu.args) != 1 or relu.kwargs or not isinstance(relu.args[0], torch.fx.Node):
+        return False
+    seen, stack = set(), [relu.args[0]]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user is relu:
+                continue
+            if order[user] > order[relu]:
+                return False
+            if not _fresh(user, modules):
+                stack.append(user)  # may alias ``node``
+        if not _fresh(node, modules):
+            stack.extend(node.all_input_nodes)  # may alias its inputs
+    return True
+
+
+def inplace_unobserved(model: nn.Module) -> set[str] | None:
+    """The names of the in-place ``nn.ReLU`` modules whose every call can be computed out of
+    place with the same numbers (``_unobserved``), from the model's torch.fx graph; None where
+    the model's code cannot be traced."""
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # code torch.fx cannot follow: nothing is known
+        return None
+    modules = dict(model.named_modules())
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    calls: dict[str, list] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and type(modules.get(node.target)) is nn.ReLU and modules[node.target].inplace:
+            calls.setdefault(node.target, []).append(node)
+    return {name for name, nodes in calls.items() if all(_unobserved(n, modules, order) for n in nodes)}
+
+
+def why_not(name: str, m: nn.ReLU, safe: set[str] | None, shapes: dict | None) -> str | None:
+    """Why the ``nn.ReLU`` ``name`` keeps ``torch.relu`` (None: it is swapped). In place, the
+    swap (out of place) must not change what any other op reads (``inplace_unobserved``);
+    with ``shapes`` (``ops.call_shapes``) every call's input must be one ``applies`` packs."""
+    if m.inplace and (safe is None or name not in safe):
+        return "in place, its code not traceable" if safe is None else "in place, its input read elsewhere"
+    if shapes is not None:
+        calls = shapes.get(name)
+        if not calls:
+            return "never called"
+        if not all(s is not None and len(s) == 4 and s[1] % 8 == 0 for s in calls):
+            return "input not 4-D of a multiple of 8 channels"
+    return None
+
+
+def bitmask_relus(model: nn.Module, shapes: dict | None = None, skipped: dict | None = None) -> list[str]:
+    """Turn each ``nn.ReLU`` of ``model`` that ``why_not`` accepts into ``BitmaskReLU`` in
+    place. Returns their names; ``skipped`` (if given) gets the others, with the reason."""
+    safe = inplace_unobserved(model) if any(type(m) is nn.ReLU and m.inplace for m in model.modules()) else set()
+    reasons = {name: why_not(name, m, safe, shapes) for name, m in model.named_modules() if type(m) is nn.ReLU}
+    if skipped is not None:
+        skipped.update({n: r for n, r in reasons.items() if r})
+    modules = dict(model.named_modules())
+    swapped = [n for n, r in reasons.items() if r is None]
+    for n in swapped:
+        modules[n].__class__ = BitmaskReLU
+    return swapped

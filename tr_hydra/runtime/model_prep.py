@@ -74,6 +74,11 @@ class Prepared:
     maxpools: list[str] = field(default_factory=list)  # max poolings whose backward gathers in one kernel
     relus: list[str] = field(default_factory=list)  # ReLUs whose backward reads a one-bit mask
     linears: list[str] = field(default_factory=list)  # linear layers computed as reductions, not cuBLAS
+    # modules of a path's type it left alone, with the reason: "maxpool", "relu", "linear"
+    skipped: dict[str, dict[str, str]] = field(default_factory=dict)
+    # one line per path the device has (the stem on CUDA; the ops with Inductor there too):
+    # (whether it is on, what it does or why it is off)
+    notes: list[tuple[bool, str]] = field(default_factory=list)
 
 
 def stem_folded(device_type: str) -> bool:
@@ -82,34 +87,71 @@ def stem_folded(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def _left(skipped: dict[str, str]) -> str:
+    """Modules a path left alone, short: one by name, several counted by reason."""
+    if len(skipped) == 1:
+        (name, why), = skipped.items()
+        return f"{name} ({why})"
+    counts: dict[str, int] = {}
+    for why in skipped.values():
+        counts[why] = counts.get(why, 0) + 1
+    return f"{len(skipped)} ({', '.join(w if len(counts) == 1 else f'{w}: {c}' for w, c in counts.items())})"
+
+
+def _op_notes(out: Prepared, model: torch.nn.Module) -> list[tuple[bool, str]]:
+    notes = []
+    pools, relus, linears = out.skipped["maxpool"], out.skipped["relu"], out.skipped["linear"]
+    def keep(left):
+        return "keeps" if len(left) == 1 else "keep"
+    if out.maxpools:
+        notes.append((True, f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's "
+                            f"gradient in one kernel" + (f"; {_left(pools)} {keep(pools)} PyTorch's" if pools else "")))
+    else:
+        notes.append((False, "max pooling: off, " + (f"{_left(pools)}: PyTorch's backward" if pools
+                                                      else "no nn.MaxPool2d in the model")))
+    if out.relus:
+        notes.append((True, f"ReLU: {len(out.relus)} modules' backward reads a one-bit mask"
+                            + (f"; {_left(relus)} {keep(relus)} torch.relu" if relus else "")))
+    else:
+        notes.append((False, "ReLU: off, " + (f"{_left(relus)}: torch.relu" if relus else "no nn.ReLU in the model")))
+    if out.linears:
+        from tr_hydra.ops.reduced_linear import uses_blas
+        stay = "stays a cuBLAS product" if len(linears) == 1 else "stay cuBLAS products"
+        rest = (f"; {_left(linears)} {stay}" if linears
+                else "" if uses_blas(model) else ": the step calls no cuBLAS product and holds no cuBLAS workspace")
+        notes.append((True, f"linear: {', '.join(out.linears)} computed as a reduction Inductor compiles{rest}"))
+    else:
+        notes.append((False, "linear: off, " + (f"{_left(linears)}: cuBLAS" if linears else "no nn.Linear in the model")))
+    return notes
+
+
 def prepare(model: torch.nn.Module, first_convs, device: torch.device, amp: bool, inductor: bool,
             deterministic: bool, log=print) -> Prepared:
     """The model's computation set up for ``device``, in place; same weights, same numbers up to
-    rounding. On CUDA: the stride-2 convolution over the image as a stride-1 convolution over
+    rounding. On CUDA: a stride-2 convolution over the image as a stride-1 convolution over
     2x2 blocks (``models.stem``), its input padded to 8 channels under 16-bit autocast, and,
     with Inductor, max pooling's backward as one gathering kernel (``ops.maxpool``), ReLU's
     backward reading a one-bit mask (``ops.relu_mask``) and a linear layer of few outputs as a
-    reduction (``ops.reduced_linear``). On the
-    CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
-    from tr_hydra.models.stem import image_input_recomputed, space_to_depth_stem, stem_channel_multiple
+    reduction (``ops.reduced_linear``). Each applies only to the modules that have its pattern
+    (``ops.swaps``); the log says which, and names a path that finds none "off", with why. On
+    the CPU: NCHW compute. Deterministic runs get a deterministic global average pool."""
+    from tr_hydra.models.stem import (image_input_recomputed, space_to_depth_stem, stem_channel_multiple,
+                                      stem_off_reason)
     from tr_hydra.ops.swaps import swap_step_ops, swaps_step_ops
     out = Prepared(stem_channels=stem_channel_multiple(device.type, amp))
     if stem_folded(device.type):
         out.stem_s2d = space_to_depth_stem(model, first_convs, out.stem_channels)
-        if out.stem_s2d:
-            log(f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution")
+        pad = (f", its input zero-padded to a multiple of {out.stem_channels} channels (16-bit autocast)"
+               if out.stem_channels else "")
+        out.notes.append((True, f"stem: {', '.join(out.stem_s2d)} computed as a space-to-depth convolution{pad}")
+                         if out.stem_s2d else
+                         (False, f"stem: off, {stem_off_reason(model, first_convs)}: plain convolution{pad}"))
     image_input_recomputed(model, first_convs, out.stem_channels)
     if swaps_step_ops(device.type, inductor):
-        out.maxpools, out.relus, out.linears = swap_step_ops(model)
-        if out.maxpools:
-            log(f"max pooling: {', '.join(out.maxpools)}'s backward gathers each input element's gradient "
-                f"in one kernel")
-        if out.relus:
-            log(f"ReLU: {len(out.relus)} modules' backward reads a one-bit mask")
-        if out.linears:
-            from tr_hydra.ops.reduced_linear import uses_blas
-            log(f"linear: {', '.join(out.linears)} computed as a reduction Inductor compiles"
-                + ("" if uses_blas(model) else ": the step calls no cuBLAS product and holds no cuBLAS workspace"))
+        out.maxpools, out.relus, out.linears = swap_step_ops(model, out.skipped)
+        out.notes += _op_notes(out, model)
+    for _, line in out.notes:
+        log(line)
     if device.type == "cpu":
         nchw_compute_on_cpu(model)
     if deterministic:
