@@ -32,7 +32,8 @@ class StartupDraws:
     def __init__(self, device: torch.device):
         self.device = device
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda" and torch.cuda.is_available()  # no driver: nothing to keep
+        self.cuda = torch.cuda.get_rng_state(device) if cuda else None
 
     @classmethod
     def take(cls, device: torch.device) -> "StartupDraws":
