@@ -10,14 +10,13 @@ import torch
 from tr_hydra.config.specs import OptimizerSpec
 
 from tests.helpers import fit_stop_resume, small_config
-# one model of each structure the ResNets lack (resnet101, resnet152 and wide_resnet50_2 are
-# resnet50's blocks, efficientnet_v2_s efficientnet_b0's parts: their steps are checked against
-# torch.optim in test_models_vs_torch), each with another optimizer; 16-bit compute on the two
-# cheapest (the CPU's bf16 and fp16 kernels are slow; tests/gpu/test_cuda_models.py runs every
-# model with AMP)
+# one model of each structure the ResNets lack, each with another optimizer (resnet101, resnet152
+# and wide_resnet50_2 are resnet50's blocks, resnext50_32x4d's grouped ones are regnet's kind,
+# efficientnet_v2_s is efficientnet_b0's parts: test_models_vs_torch checks their steps); 16-bit
+# compute on the two cheapest, since the CPU's bf16 and fp16 kernels are slow
+# (tests/gpu/test_cuda_models.py runs every model with AMP)
 CASES = [
-    ("resnext50_32x4d", "lars", None),        # grouped convolutions
-    ("regnet_y_1_6gf", "nesterov", None),     # grouped convolutions, squeeze-excitation biases
+    ("regnet_y_1_6gf", "lars", None),         # grouped convolutions, squeeze-excitation biases
     ("mobilenet_v2", "momentum", "fp16"),     # depthwise convolutions, ReLU6, dropout
     ("mobilenet_v3_large", "adam", "bf16"),   # hardswish, squeeze-excitation, BN eps 1e-3
     ("efficientnet_b0", "sgd", None),         # SiLU, stochastic depth

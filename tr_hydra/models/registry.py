@@ -1,6 +1,7 @@
 """Model registry: lookup by name, never by importing user-given callables."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -29,10 +30,10 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int, *, zero_init_residual: bool = False, width: int = 16,
-                device: str | torch.device = "cpu") -> nn.Module:
-    """The model ``name`` with its parameters on ``device``. On the meta device a builder that
-    reads numbers while it builds (RegNet rounds its widths from tensors) is built on the CPU and
-    moved."""
+                device: str | torch.device | None = None) -> nn.Module:
+    """The model ``name`` with its parameters on ``device`` (None: the default device in force).
+    On the meta device a builder that reads numbers while it builds (RegNet rounds its widths
+    from tensors) is built on the CPU and moved."""
     try:
         fn = _MODELS[name]
     except KeyError:
@@ -42,12 +43,13 @@ def build_model(name: str, num_classes: int, *, zero_init_residual: bool = False
                           f"not model={name}")
     kwargs = dict(num_classes=num_classes, zero_init_residual=zero_init_residual, width=width)
     try:
-        with torch.device(device):
+        with contextlib.nullcontext() if device is None else torch.device(device):
             return fn(**kwargs)
     except NotImplementedError:
-        if torch.device(device).type != "meta":
+        if device is None or torch.device(device).type != "meta":
             raise
-        return fn(**kwargs).to("meta")
+        with torch.device("cpu"):
+            return fn(**kwargs).to("meta")
 
 
 # torchvision's convolutional classifiers, under torchvision's names; those of RESIDUAL_INIT
