@@ -1,4 +1,4 @@
-"""Every torchvision classifier of ``model=``: two of tr_hydra's training steps equal two steps of
+"""The torchvision classifiers of ``model=`` (CHECKED): two of tr_hydra's training steps equal two steps of
 torch.optim on torchvision's own model, from the same init, batches and random masks (dropout,
 stochastic depth), the plan's layout holds, and ``model_final.pt`` loads into torchvision's model."""
 from __future__ import annotations
