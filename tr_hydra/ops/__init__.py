@@ -4,15 +4,21 @@ from __future__ import annotations
 from torch import nn
 
 
-def retype(model: nn.Module, base: type, cls: type, want=lambda m: True) -> list[str]:
-    """Turn each module of ``model`` whose type is exactly ``base`` and that ``want`` accepts
-    into ``cls`` in place, as ``models.stem`` turns its convolutions (the class changes, the
-    module and its parameters stay). Returns their names."""
+def retype(model: nn.Module, base: type, cls: type, why_not=lambda name, m: None,
+           skipped: dict | None = None) -> list[str]:
+    """Turn each module of ``model`` whose type is exactly ``base`` into ``cls`` in place (the
+    class changes, the module and its parameters stay), unless ``why_not(name, module)`` gives a
+    reason; ``skipped`` (if given) gets those, with the reason. Returns the names turned."""
     swapped = []
     for name, m in model.named_modules():
-        if type(m) is base and want(m):
+        if type(m) is not base:
+            continue
+        reason = why_not(name, m)
+        if reason is None:
             m.__class__ = cls
             swapped.append(name)
+        elif skipped is not None:
+            skipped[name] = reason
     return swapped
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tr_hydra.ops import retype
+
 
 MAX_OUT = 16  # outputs (classes) up to which the product is a reduction
 
@@ -62,14 +64,7 @@ def reduced_linears(model: nn.Module, max_out: int = MAX_OUT, shapes: dict | Non
     place (without ``shapes``, by its outputs alone: the reduction is the same product over any
     leading dimensions). Returns their names; ``skipped`` (if given) gets the others, with the
     reason."""
-    reasons = {name: why_not(name, m, max_out, shapes) for name, m in model.named_modules() if type(m) is nn.Linear}
-    if skipped is not None:
-        skipped.update({n: r for n, r in reasons.items() if r})
-    modules = dict(model.named_modules())
-    swapped = [n for n, r in reasons.items() if r is None]
-    for n in swapped:
-        modules[n].__class__ = ReducedLinear
-    return swapped
+    return retype(model, nn.Linear, ReducedLinear, lambda name, m: why_not(name, m, max_out, shapes), skipped)
 
 
 def uses_blas(model: nn.Module) -> bool:

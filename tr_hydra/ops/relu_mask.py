@@ -29,6 +29,8 @@ in memory (tr_hydra's layout on CUDA); other layouts get the same numbers.
 import torch
 from torch import nn
 
+from tr_hydra.ops import retype
+
 
 
 def _shifts(device) -> torch.Tensor:
@@ -179,11 +181,4 @@ def bitmask_relus(model: nn.Module, shapes: dict | None = None, skipped: dict | 
     """Turn each ``nn.ReLU`` of ``model`` that ``why_not`` accepts into ``BitmaskReLU`` in
     place. Returns their names; ``skipped`` (if given) gets the others, with the reason."""
     safe = inplace_unobserved(model) if any(type(m) is nn.ReLU and m.inplace for m in model.modules()) else set()
-    reasons = {name: why_not(name, m, safe, shapes) for name, m in model.named_modules() if type(m) is nn.ReLU}
-    if skipped is not None:
-        skipped.update({n: r for n, r in reasons.items() if r})
-    modules = dict(model.named_modules())
-    swapped = [n for n, r in reasons.items() if r is None]
-    for n in swapped:
-        modules[n].__class__ = BitmaskReLU
-    return swapped
+    return retype(model, nn.ReLU, BitmaskReLU, lambda name, m: why_not(name, m, safe, shapes), skipped)
