@@ -8,7 +8,6 @@ import torch
 
 from tr_hydra.internals.dynamo import compile_counts, compile_work_since, phase_seconds, phase_seconds_since
 from tr_hydra.runtime.executor import BUFFERS, StepExecutor
-from tr_hydra.runtime.rng import StartupDraws
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -61,9 +60,9 @@ class CudaGraphs:
     def capture(self, train_variants: list[str], val_variants: list[str], warmup_steps: int,
                 before_variant=None, next_variant=None, before_capture=None) -> None:
         """Warm up eagerly on a side stream (cuDNN autotuning, lazy init, Inductor compiles), then
-        capture. Warm-up changes weights and statistics, so the arena is restored afterwards; it
-        draws random numbers too (dropout, stochastic depth), so the generators are put back to
-        the state they had before it (``runtime.rng``).
+        capture. Warm-up changes weights and statistics, so the arena is restored afterwards; the
+        random numbers it draws (dropout, stochastic depth) are put back by ``startup.get_ready``
+        around the whole start-up (``runtime.rng``).
         ``before_variant(name)`` runs before a variant's first warm-up step (the parallel
         precompiler waits there for that variant's compile). ``next_variant(names)`` picks which
         of the variants not yet warmed up goes next (the precompiler: one whose compile is done);
@@ -76,7 +75,6 @@ class CudaGraphs:
         ex, model = self.ex, self.ex.model
         # host copy: a device copy would add the arena's size to the peak memory
         snapshot = ex.arena.arena.to("cpu", copy=True)
-        draws = StartupDraws.take(ex.device)
         side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         todo = list(train_variants) + list(val_variants)
@@ -118,7 +116,6 @@ class CudaGraphs:
         self.graph_seconds = time.perf_counter() - t
         ex.arena.arena.copy_(snapshot)
         del snapshot
-        draws.put()
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
 

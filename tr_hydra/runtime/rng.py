@@ -26,7 +26,7 @@ import torch
 
 
 class StartupDraws:
-    """The default generators' state, taken now (``take``) and put back (``put``): what runs
+    """The default generators' state, taken when made and put back (``put``): what runs
     in between draws nothing, as far as the training's stream is concerned."""
 
     def __init__(self, device: torch.device):
@@ -34,10 +34,6 @@ class StartupDraws:
         self.cpu = torch.get_rng_state()
         cuda = device.type == "cuda" and torch.cuda.is_available()  # no driver: nothing to keep
         self.cuda = torch.cuda.get_rng_state(device) if cuda else None
-
-    @classmethod
-    def take(cls, device: torch.device) -> "StartupDraws":
-        return cls(device)
 
     def put(self) -> None:
         """Back to the state taken (outside any capture: a generator's state cannot be set while

@@ -211,7 +211,7 @@ def get_ready(rt, launcher: Launcher | None = None, log=print) -> StartupReport:
     compiles and the warm-up draw does not shift the stream the steps draw their dropout and
     stochastic-depth masks from (``runtime.rng``), in a fresh run and a resumed one alike."""
     from tr_hydra.runtime.rng import StartupDraws
-    draws = StartupDraws.take(rt.device)
+    draws = StartupDraws(rt.device)
     rep = _get_ready(rt, launcher, log)
     draws.put()
     return rep
