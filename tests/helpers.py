@@ -185,3 +185,40 @@ def eager_val_metrics(tr) -> dict:
             n += size
     tr.model.train()
     return {"loss": loss / n, "top1": 100 * top1 / n, "top5": 100 * top5 / n, "count": n}
+
+
+def rel_err(a, b) -> float:
+    """``|a - b| / |b|`` in float64 (relative norm)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def is_decayed(model, name: str) -> bool:
+    """Whether ``name`` decays where the optimizer excludes BN and biases: only convolution and
+    linear weights do (torchvision's reference recipe without decay on norms and biases)."""
+    import torch.nn as nn
+    mod = dict(model.named_modules())[name.rpartition(".")[0]]
+    return name.endswith("weight") and isinstance(mod, (nn.Conv2d, nn.Linear))
+
+
+def torch_optimizer(name, lr, wd, exclude, momentum=0.9, betas=(0.9, 0.999), eps=1e-8):
+    """``make(model)``: torch.optim's optimizer ``name`` over ``model``, decay on ``is_decayed``
+    parameters only when ``exclude``: the reference for tr_hydra's updates."""
+    import torch
+
+    def make(model):
+        if exclude:
+            decay = [p for n, p in model.named_parameters() if is_decayed(model, n)]
+            rest = [p for n, p in model.named_parameters() if not is_decayed(model, n)]
+            groups = [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+        else:
+            groups = [{"params": list(model.parameters()), "weight_decay": wd}]
+        if name == "sgd":
+            return torch.optim.SGD(groups, lr=lr)
+        if name in ("momentum", "nesterov"):
+            return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=name == "nesterov")
+        if name == "adam":
+            return torch.optim.Adam(groups, lr=lr, betas=betas, eps=eps)
+        if name == "adamw":
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        raise ValueError(name)
+    return make

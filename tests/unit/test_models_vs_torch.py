@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
@@ -15,7 +14,7 @@ from tr_hydra.config.specs import OptimizerSpec
 from tr_hydra.models.registry import TORCHVISION
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
+from tests.helpers import rel_err, small_config, torch_optimizer
 
 NEW = [m for m in TORCHVISION if m not in ("resnet18", "resnet34", "resnet50")]
 # resnet152 and wide_resnet50_2 are resnet101's bottleneck blocks, more of them or wider: on the
@@ -30,30 +29,10 @@ OPT = {"adamw": ("adamw", 1e-3, 0.0, 0.05), "adam": ("adam", 1e-3, 0.0, 1e-4), "
 OPTIMIZER = {"resnet101": "adamw", "resnext50_32x4d": "momentum", "regnet_y_1_6gf": "nesterov",
              "mobilenet_v2": "adam", "mobilenet_v3_large": "momentum", "efficientnet_b0": "adamw",
              "efficientnet_v2_s": "sgd", "densenet121": "adam", "convnext_tiny": "momentum"}
-SEEDS = (11, 12)
+SEEDS = (11, 12)  # the generator's seed before each step: the same masks on both sides
 # 32x32 leaves these models' last BatchNorms 4 numbers a channel at batch 4: so ill-conditioned
 # that PyTorch's own fp32 runs land 1e-2 from float64 and one rounding more moves 10x that
-RES = {"mobilenet_v2": 64, "mobilenet_v3_large": 64, "efficientnet_b0": 64, "efficientnet_v2_s": 64}  # the generator's seed before each step: the same masks on both sides
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-def _decayed(model: nn.Module, name: str) -> bool:
-    """torchvision's reference recipe without decay on norms and biases: only convolution and
-    linear weights decay."""
-    mod = dict(model.named_modules())[name.rpartition(".")[0]]
-    return name.endswith("weight") and isinstance(mod, (nn.Conv2d, nn.Linear))
-
-
-def _torch_opt(model, name, lr, momentum, wd):
-    decay = [p for n, p in model.named_parameters() if _decayed(model, n)]
-    rest = [p for n, p in model.named_parameters() if not _decayed(model, n)]
-    groups = [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
-    if name in ("momentum", "nesterov", "sgd"):
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=name == "nesterov")
-    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=lr)
+RES = {"mobilenet_v2": 64, "mobilenet_v3_large": 64, "efficientnet_b0": 64, "efficientnet_v2_s": 64}
 
 
 @pytest.mark.parametrize("model", CHECKED)
@@ -85,7 +64,7 @@ def test_two_steps_match_torch_optim_on_the_torchvision_model(tmp_path, model):
         m = instantiate_model(pc).to(dtype).train()
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         m = m.to(memory_format=fmt)
-        o = _torch_opt(m, name, lr, momentum, wd)
+        o = torch_optimizer(name, lr, wd, True, momentum)(m)
         for (x, y), seed in zip(data, SEEDS):
             torch.manual_seed(seed)
             loss = F.cross_entropy(m(x.permute(0, 3, 1, 2).to(dtype).contiguous(memory_format=fmt)), y.long())
@@ -100,8 +79,8 @@ def test_two_steps_match_torch_optim_on_the_torchvision_model(tmp_path, model):
         if key.endswith("num_batches_tracked"):
             assert int(got[key]) == 2, key
             continue
-        err = _rel(got[key], want)
-        bound = 10 * max(_rel(nchw[key], want), _rel(cl[key], want), _rel(want.float(), want))
+        err = rel_err(got[key], want)
+        bound = 10 * max(rel_err(nchw[key], want), rel_err(cl[key], want), rel_err(want.float(), want))
         assert err <= bound, f"{model} {key}: {err:.2e} from float64 > {bound:.2e} (10x PyTorch fp32's)"
 
 
@@ -118,4 +97,4 @@ def test_the_torch_optim_check_can_fail(tmp_path):
             torch.manual_seed(seed)
             tr.run_steps(steps[k:k + 1], "train", step0=k)
         runs.append(tr.final_state_dict()["classifier.1.weight"])
-    assert _rel(runs[1], runs[0]) > 1e-4
+    assert rel_err(runs[1], runs[0]) > 1e-4

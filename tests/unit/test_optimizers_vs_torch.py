@@ -11,16 +11,7 @@ from tr_hydra.config.epochs import epoch_schedule
 from tr_hydra.config.specs import OptimizerSpec
 from tr_hydra.train.trainer import Trainer
 
-from tests.helpers import small_config
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-def _is_decayed(model: nn.Module, name: str) -> bool:
-    mod = dict(model.named_modules())[name.rpartition(".")[0]]
-    return name.endswith("weight") and isinstance(mod, (nn.Conv2d, nn.Linear))
+from tests.helpers import is_decayed, rel_err, small_config, torch_optimizer
 
 
 # The reference is torch.optim on the same model in fp32, NCHW: tr_hydra computes NCHW on CPU
@@ -37,26 +28,6 @@ def _reference(pc, steps, source, make_opt, dtype=torch.float32):
         loss.backward()
         opt.step()
     return model
-
-
-def _torch_opt(name, lr, wd, exclude, momentum=0.9, betas=(0.9, 0.999), eps=1e-8):
-    def make(model):
-        if exclude:
-            decay = [p for n, p in model.named_parameters() if _is_decayed(model, n)]
-            rest = [p for n, p in model.named_parameters() if not _is_decayed(model, n)]
-            groups = [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
-        else:
-            groups = [{"params": list(model.parameters()), "weight_decay": wd}]
-        if name == "sgd":
-            return torch.optim.SGD(groups, lr=lr)
-        if name in ("momentum", "nesterov"):
-            return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=name == "nesterov")
-        if name == "adam":
-            return torch.optim.Adam(groups, lr=lr, betas=betas, eps=eps)
-        if name == "adamw":
-            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
-        raise ValueError(name)
-    return make
 
 
 CASES = [
@@ -76,12 +47,12 @@ def test_resnet_mini_matches_torch_optim(tmp_path, name, lr, momentum, wd, exclu
     steps = epoch_schedule(pc, 0)[:4]
     tr.run_steps(steps, "train")
     got = tr.final_state_dict()
-    ref = _reference(pc, steps, tr.source, _torch_opt(name, lr, wd, exclude, momentum or 0.9))
+    ref = _reference(pc, steps, tr.source, torch_optimizer(name, lr, wd, exclude, momentum or 0.9))
     for key, want in ref.state_dict().items():
         if key.endswith("num_batches_tracked"):
             assert int(got[key]) == 4
             continue
-        err = _rel(got[key], want)
+        err = rel_err(got[key], want)
         assert err <= 1e-5, f"{key}: relative error {err:.2e}"
 
 
@@ -118,7 +89,7 @@ def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
     grads1 = {n: p.grad.detach().clone() for n, p in tr.rt.model.named_parameters()}
     tr.run_steps(steps[1:], "train", step0=1)
     got2 = tr.final_state_dict()
-    make = _torch_opt(name, lr, wd, False, momentum or 0.9)
+    make = torch_optimizer(name, lr, wd, False, momentum or 0.9)
     data = [tr.source.batch("train", i, pc.batch_size, size, pc.variant(v).res) for v, i, size in steps]
     orders = [None] + [torch.randperm(pc.batch_size, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
 
@@ -167,11 +138,11 @@ def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
 
     # step 1: gradients and BN statistics within 10x PyTorch fp32's spread
     for n, g in grads1.items():
-        err, bound = _rel(g, g64[n]), 10 * max(_rel(r[1][n], g64[n]) for r in rounding1)
+        err, bound = rel_err(g, g64[n]), 10 * max(rel_err(r[1][n], g64[n]) for r in rounding1)
         assert err <= bound, f"step 1 gradient of {n}: {err:.2e} > {bound:.2e} (10x PyTorch fp32's spread)"
     for k in keys:
         if k not in params:
-            err, bound = _rel(got1[k], exact1[k]), 10 * max(_rel(r[0][k], exact1[k]) for r in rounding1)
+            err, bound = rel_err(got1[k], exact1[k]), 10 * max(rel_err(r[0][k], exact1[k]) for r in rounding1)
             assert err <= bound, f"step 1, {k}: {err:.2e} > {bound:.2e} (10x PyTorch fp32's spread)"
 
     # step 1's update: torch.optim on tr_hydra's own gradients, float64 against fp32
@@ -184,8 +155,8 @@ def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
     run64, run32 = update(torch.float64), update(torch.float32)
     up64, up32 = dict(run64[0].named_parameters()), dict(run32[0].named_parameters())
     for n in grads1:
-        floor = _rel(up64[n].float(), up64[n])  # the reference rounded to fp32
-        err, bound = _rel(got1[n], up64[n]), 10 * max(_rel(up32[n], up64[n]), floor)
+        floor = rel_err(up64[n].float(), up64[n])  # the reference rounded to fp32
+        err, bound = rel_err(got1[n], up64[n]), 10 * max(rel_err(up32[n], up64[n]), floor)
         assert err <= bound, (f"step 1 update of {n} (from tr_hydra's gradients): {err:.2e} > {bound:.2e} "
                               f"(10x torch.optim fp32's own)")
 
@@ -198,8 +169,8 @@ def test_resnet18_cifar_as_exact_as_pytorch(tmp_path, name, lr, momentum, wd):
         fork[0].load_state_dict(got1)
         one_step(fork, *data[1], torch.float32, order)
         runs2.append(state(fork))
-    ours = {k: _rel(got2[k], exact2[k]) for k in keys}
-    theirs = [{k: _rel(r[k], exact2[k]) for k in keys} for r in runs2]
+    ours = {k: rel_err(got2[k], exact2[k]) for k in keys}
+    theirs = [{k: rel_err(r[k], exact2[k]) for k in keys} for r in runs2]
     for k in keys:
         bound = 10 * max(t[k] for t in theirs)
         assert ours[k] <= bound, (f"{k}: {ours[k]:.2e} > {bound:.2e} (10x PyTorch fp32's spread: "
@@ -226,7 +197,7 @@ def _lars_reference(pc, steps, source, lr, wd, tc, mom, eps):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 g = p.grad
-                if _is_decayed(model, n):
+                if is_decayed(model, n):
                     wn, gn = p.norm(), g.norm()
                     trust = tc * wn / (gn + wd * wn + eps) if wn > 0 and gn > 0 else 1.0
                     d = (g + wd * p) * trust
@@ -248,7 +219,7 @@ def test_lars_matches_plain_reference(tmp_path):
     ref = _lars_reference(pc, steps, tr.source, 2.0, 5e-4, 0.02, 0.9, 1e-9)
     for key, want in ref.state_dict().items():
         if not key.endswith("num_batches_tracked"):
-            assert _rel(got[key], want) <= 1e-5, key
+            assert rel_err(got[key], want) <= 1e-5, key
     # the N region holds |w|, |g| and the trust ratio of every conv / fc weight
     from tr_hydra.memory.regions import Region as R
     norms = tr.arena.span(R.N_FC_WEIGHT, R.N_DEEP_CONV).view(-1, 128)
