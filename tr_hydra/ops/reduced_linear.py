@@ -22,7 +22,6 @@ from torch import nn
 
 from tr_hydra.ops import retype
 
-
 MAX_OUT = 16  # outputs (classes) up to which the product is a reduction
 
 

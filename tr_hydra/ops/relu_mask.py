@@ -32,7 +32,6 @@ from torch import nn
 from tr_hydra.ops import retype
 
 
-
 def _shifts(device) -> torch.Tensor:
     return torch.arange(8, device=device, dtype=torch.uint8)
 
