@@ -6,7 +6,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torchvision
 
 from tr_hydra.errors import ConfigError
 
@@ -62,6 +61,7 @@ RESIDUAL_INIT = frozenset(TORCHVISION[:7] + ("resnet18_cifar",))
 
 def _torchvision(name: str) -> Callable[..., nn.Module]:
     def build(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+        import torchvision  # about 1.5 s (it imports Dynamo): only for the runs that build one
         extra = {"zero_init_residual": zero_init_residual} if name in RESIDUAL_INIT else {}
         return getattr(torchvision.models, name)(num_classes=num_classes, **extra)
     return build
@@ -81,6 +81,7 @@ def cifar_stem(model: nn.Module) -> nn.Module:
 
 @register_model("resnet18_cifar")
 def resnet18_cifar(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
+    import torchvision
     return cifar_stem(torchvision.models.resnet18(num_classes=num_classes,
                                                   zero_init_residual=zero_init_residual))
 
