@@ -61,7 +61,7 @@ RESIDUAL_INIT = frozenset(TORCHVISION[:7] + ("resnet18_cifar",))
 
 def _torchvision(name: str) -> Callable[..., nn.Module]:
     def build(num_classes: int, zero_init_residual: bool = False, **_) -> nn.Module:
-        import torchvision  # about 1.5 s (it imports Dynamo): only for the runs that build one
+        import torchvision  # it imports Dynamo: only for the runs that build one
         extra = {"zero_init_residual": zero_init_residual} if name in RESIDUAL_INIT else {}
         return getattr(torchvision.models, name)(num_classes=num_classes, **extra)
     return build

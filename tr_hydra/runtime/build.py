@@ -32,8 +32,9 @@ def pick_device(pc: PlanConfig) -> torch.device:
 def set_determinism(pc: PlanConfig) -> None:
     if pc.runtime.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if torch.are_deterministic_algorithms_enabled() != pc.runtime.deterministic:
-        # only on a change: recent releases import Inductor here (a second) to set its flag too
+    if (torch.are_deterministic_algorithms_enabled() != pc.runtime.deterministic
+            or torch.is_deterministic_algorithms_warn_only_enabled()):
+        # only on a change: recent releases import Inductor here to set its flag too
         torch.use_deterministic_algorithms(pc.runtime.deterministic)
     torch.backends.cudnn.deterministic = pc.runtime.deterministic
     torch.backends.cudnn.benchmark = not pc.runtime.deterministic
