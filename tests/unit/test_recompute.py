@@ -214,3 +214,40 @@ def test_the_estimate_counts_what_the_gathering_pool_and_the_relu_masks_keep():
         # measured here: within 2% of each (13% under for pointwise before the masks and the
         # pooling's offsets were counted)
         assert abs(est - saved) <= 0.05 * saved, (mode, est, saved)
+
+
+@pytest.mark.parametrize("mode", ["none", "pointwise"])
+def test_the_traced_estimate_is_what_a_real_compile_saves(mode):
+    """``internals.saved_set`` on the meta device against a real Dynamo+AOTAutograd compile of the
+    same model on the CPU: the same saved set, up to the model's outputs and the new BatchNorm
+    statistics, which the trace counts beside it."""
+    from tr_hydra.internals import saved_set
+    from tr_hydra.internals.recompute import partitioner_options
+    from tr_hydra.models.registry import build_model
+    torch.manual_seed(0)
+    model = build_model("resnet_mini", 10).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    real = _partition(model, x, mode)[0]
+    meta = build_model("resnet_mini", 10, device="meta").to(memory_format=torch.channels_last)
+    traced = saved_set.saved_bytes(meta, 8, 3, 16, torch.float32, partitioner_options(mode))
+    small = 8 * 10 * 4 + sum(b.numel() * b.element_size() for b in model.buffers()) * 2
+    assert real <= traced <= real + small, (real, traced)
+
+
+def test_the_plan_traces_the_partition_only_where_inductor_compiles_on_cuda(monkeypatch):
+    from tests.helpers import small_config
+    cuda = compile_plan(small_config(device="cuda", amp=True, compile="inductor"))
+    how = [r.estimate for r in cuda.estimated_shapes.values() if r.saved_activation_bytes]
+    assert how.count("partitioner") == 1 and set(how) <= {"partitioner", "scaled"}, how
+    assert 0 < cuda.activation_estimate <= cuda.activation_bound
+    cpu = compile_plan(small_config(device="cpu", amp=True))
+    assert cpu.estimated_shapes is cpu.shapes
+    monkeypatch.setenv("TR_HYDRA_STOCK", "1")
+    from tr_hydra import internals
+    internals.reset()
+    try:
+        closed = compile_plan(small_config(device="cuda", amp=True, compile="inductor"))
+        assert closed.activation_estimate == closed.activation_bound
+    finally:
+        monkeypatch.delenv("TR_HYDRA_STOCK")
+        internals.reset()

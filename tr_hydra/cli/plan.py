@@ -43,14 +43,19 @@ def plan_table(compiled) -> str:
     for v in pc.variants:
         inp = plan.shape_in(plan["input_A.data"], v.name)
         in_bytes = inp[0] * inp[1] * inp[2] * plan["input_A.data"].strides[2] * plan["input_A.data"].dtype.itemsize
-        rep = compiled.shapes[v.name]
+        rep = compiled.estimated_shapes[v.name]
         lines.append(f"{v.name:<18} {v.batch:>5} {v.res:>4} {in_bytes:>14,} {str(list(rep.logits)):>12} "
                      f"{_mib(rep.saved_activation_bytes):>18}")
-    rec = max((compiled.shapes[v.name].recompute_transient_bytes for v in pc.variants), default=0)
+    rec = max((compiled.estimated_shapes[v.name].recompute_transient_bytes for v in pc.variants), default=0)
+    how = {r.estimate for r in compiled.estimated_shapes.values() if r.saved_activation_bytes}
+    how = ("Inductor's partition of the largest variant, traced; the others scaled from it" if "partitioner" in how
+           else next(iter(how), "eager"))
+    how = {"eager": "what eager autograd saves"}.get(how, how)
     lines += ["", f"arena total: {total:,} bytes ({_mib(total)}) in {len(plan.dtensors)} DTensors",
               f"activation pool estimate (largest train variant, shared graph pool): "
               f"{_mib(compiled.activation_estimate)}"
-              + (f" (of which recomputed in the backward, runtime.recompute=pointwise: {_mib(rec)})" if rec else ""),
+              + (f" (of which recomputed in the backward, runtime.recompute=pointwise: {_mib(rec)})" if rec else "")
+              + f"; saved activations: {how}",
               f"gradients returned by the backward, before their copy into the arena: "
               f"{_mib(compiled.gradient_transient)}",
               f"BLAS workspaces (cuBLAS and cuBLASLt, one stream): {_mib(compiled.library_workspace)}",
@@ -78,8 +83,9 @@ def plan_json(compiled) -> dict:
                       "dtype": t.dtype.value, "offset": t.offset, "slot_bytes": t.slot_bytes}
                      for t in plan.dtensors],
         "variants": [{"name": v.name, "train": v.train, "batch": v.batch, "res": v.res,
-                      "saved_activation_bytes": compiled.shapes[v.name].saved_activation_bytes,
-                      "recompute_transient_bytes": compiled.shapes[v.name].recompute_transient_bytes}
+                      "saved_activation_bytes": compiled.estimated_shapes[v.name].saved_activation_bytes,
+                      "recompute_transient_bytes": compiled.estimated_shapes[v.name].recompute_transient_bytes,
+                      "estimate": compiled.estimated_shapes[v.name].estimate}
                      for v in pc.variants],
         "program": {"train": [n.describe() for n in compiled.program.train],
                     "val": [n.describe() for n in compiled.program.val]},

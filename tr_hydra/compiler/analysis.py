@@ -173,6 +173,10 @@ class ShapeReport:
     # taken as alive together (for ResNet-50 the rule comes within about a tenth of the measured
     # excess over the saved set).
     recompute_transient_bytes: int = 0
+    # how saved_activation_bytes was found: "eager" (what eager autograd saves: a bound where
+    # Inductor compiles the step), "partitioner" (Inductor's partition, traced) or "scaled" (the
+    # traced variant's ratio to its eager count, applied to this variant's)
+    estimate: str = "eager"
 
     @property
     def activation_peak_bytes(self) -> int:

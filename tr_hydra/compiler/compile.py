@@ -1,6 +1,8 @@
 """Compile: PlanConfig -> model map, MemoryPlan (finalized), variant shapes, step program."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -38,11 +40,31 @@ class Compiled:
     program: "object" = field(default=None)
     tuning: "object" = field(default=None)  # compiler.tuning.TuningChoice: runtime.tuning resolved
     blas: bool = True  # whether the step runs a cuBLAS matrix product (``ops.reduced_linear``)
+    # the model as analysed (meta device, compute dtype, step ops swapped) where Inductor compiles
+    # the step on CUDA: ``estimated_shapes`` traces its partition on first use
+    meta_model: nn.Module | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def estimated_shapes(self) -> dict[str, ShapeReport]:
+        """``shapes`` with the saved activations Inductor's partitioner keeps (``partitioned``)
+        where Inductor compiles the step on CUDA; ``shapes`` elsewhere. A trace of some seconds
+        of CPU: asked for by what reports the need (tr-plan, tr-bench) and by the memory check
+        only where the bound does not fit."""
+        if self.meta_model is None:
+            return self.shapes
+        return partitioned(self.shapes, self.meta_model, self.config, self.compute_dtype)
 
     @property
     def activation_estimate(self) -> int:
-        """Bytes autograd will save in the largest training variant (the shared graph pool), with
-        what the backward recomputes on top at its peak under ``runtime.recompute=pointwise``."""
+        """Bytes the step will keep for the backward in the largest training variant (the shared
+        graph pool), with what the backward recomputes on top at its peak under
+        ``runtime.recompute=pointwise``."""
+        return max((r.activation_peak_bytes for r in self.estimated_shapes.values()), default=0)
+
+    @property
+    def activation_bound(self) -> int:
+        """``activation_estimate`` as eager autograd would save it, found without a trace: the
+        same figure off CUDA or without Inductor, at least as large elsewhere."""
         return max((r.activation_peak_bytes for r in self.shapes.values()), default=0)
 
     @property
@@ -109,7 +131,6 @@ def fused_wanted(kernels: str, device_type: str) -> bool:
 
 
 def build_plan(pc: PlanConfig, model_map: ModelMap, fused: bool | None = None) -> MemoryPlan:
-    import dataclasses
     plan = MemoryPlan(dataclasses.replace(
         pc.conditions, matrix_grads_fp32=not fused_update_reads_16bit(pc, fused)))
     for bn in model_map.bns:
@@ -170,6 +191,43 @@ def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
     return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
 
 
+_PARTITIONED: dict = {}  # (model, dtype, batch, channels, res, recompute) -> bytes, or the trace's error
+
+
+def partitioned(shapes: dict[str, ShapeReport], meta_model: nn.Module, pc: PlanConfig,
+                dt: torch.dtype) -> dict[str, ShapeReport]:
+    """``shapes`` with the training variants' saved activations as Inductor's partitioner keeps
+    them (``internals.saved_set``): the largest variant traced, each other one scaled from its
+    eager count by that variant's ratio (the saved set grows with batch and pixels alike). With
+    the gate closed, or where the trace fails (the reason is kept in ``estimate``), the eager
+    counts stay: a bound, not an estimate. A trace is done once per process and shape."""
+    from tr_hydra import internals
+    from tr_hydra.internals import recompute, saved_set
+    train = [v for v in pc.variants if v.train and shapes[v.name].saved_activation_bytes]
+    if not train or not internals.is_open():
+        return shapes
+    top = max(train, key=lambda v: shapes[v.name].saved_activation_bytes)
+    key = (repr(pc.model), str(dt), top.batch, pc.data.channels, top.res, pc.runtime.recompute,
+           repr(sorted(type(m).__name__ for m in meta_model.modules())))
+    if key not in _PARTITIONED:
+        try:
+            _PARTITIONED[key] = saved_set.saved_bytes(meta_model, top.batch, pc.data.channels, top.res, dt,
+                                                      recompute.partitioner_options(pc.runtime.recompute))
+        except Exception as e:  # noqa: BLE001 - any failure of PyTorch's internals keeps the bound
+            _PARTITIONED[key] = f"eager (the partitioner's trace failed: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    found = _PARTITIONED[key]
+    if isinstance(found, str):
+        return {n: dataclasses.replace(r, estimate=found) if r.saved_activation_bytes else r for n, r in shapes.items()}
+    ratio = found / shapes[top.name].saved_activation_bytes
+    out = dict(shapes)
+    for v in train:
+        r = shapes[v.name]
+        out[v.name] = (dataclasses.replace(r, saved_activation_bytes=found, estimate="partitioner") if v is top else
+                       dataclasses.replace(r, saved_activation_bytes=round(r.saved_activation_bytes * ratio),
+                                           estimate="scaled"))
+    return out
+
+
 def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     """Everything decided before the first step: runs on the meta device, needs no GPU.
     ``fused``: whether the run will use the fused kernels (see ``fused_kernels_used``); the
@@ -192,7 +250,8 @@ def compile_plan(pc: PlanConfig, fused: bool | None = None) -> Compiled:
     shapes = {v.name: propagate(meta_model, v.batch, pc.data.channels, v.res, dt, v.train,
                                 recompute=recomputes_pointwise(pc, device_type))
               for v in pc.variants}
-    compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice, blas=uses_blas(meta_model))
+    compiled = Compiled(pc, model_map, plan, shapes, dt, tuning=choice, blas=uses_blas(meta_model),
+                        meta_model=meta_model if inductor_wanted(pc, device_type) and device_type == "cuda" else None)
     program = build_program(compiled)
     compiled.program = fuse_updates(program) if fused_kernels_used(pc, fused) else program
     return compiled

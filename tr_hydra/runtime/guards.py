@@ -25,8 +25,10 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     """Refuse, before allocating, a plan whose predicted need exceeds free device memory, naming
     the figures and the largest batch that fits."""
     pc = compiled.config
-    arena, act, grads = compiled.plan.total_bytes, compiled.activation_estimate, compiled.gradient_transient
-    lib = compiled.library_workspace
+    arena, grads, lib = compiled.plan.total_bytes, compiled.gradient_transient, compiled.library_workspace
+    if int((arena + compiled.activation_bound + grads + lib) * HEADROOM) <= free_bytes:
+        return  # it fits even by eager autograd's count: no trace of Inductor's partition needed
+    act = compiled.activation_estimate
     need = int((arena + act + grads + lib) * HEADROOM)
     if need <= free_bytes:
         return
