@@ -4,8 +4,9 @@ Everything tr_hydra takes from PyTorch's private modules (``torch._inductor``, `
 ``torch._functorch``, ``torch.utils._python_dispatch``) lives in this folder; the rest of the
 package calls its small interface: compile a model's forward (``compile.compile_forward``), run a
 step that may compile and tune (``variant_step``), save and load a compile (``saved_compile``),
-count and time compiles (``dynamo``), ask Inductor's config (``inductor``), and a dispatch mode to
-analyse a model on the meta device (``dispatch``).
+count and time compiles (``dynamo``), ask Inductor's config (``inductor``), what a compiled step
+saves for the backward (``saved_set``), and a dispatch mode to analyse a model on the meta device
+(``dispatch``).
 
 The gate knows the PyTorch releases it was tested with (``TESTED``). On any other release, with
 ``TR_HYDRA_STOCK=1`` in the environment, or where a patch's target is missing, it is closed:
