@@ -47,10 +47,9 @@ def plan_table(compiled) -> str:
         lines.append(f"{v.name:<18} {v.batch:>5} {v.res:>4} {in_bytes:>14,} {str(list(rep.logits)):>12} "
                      f"{_mib(rep.saved_activation_bytes):>18}")
     rec = max((compiled.estimated_shapes[v.name].recompute_transient_bytes for v in pc.variants), default=0)
-    how = {r.estimate for r in compiled.estimated_shapes.values() if r.saved_activation_bytes}
-    how = ("Inductor's partition of the largest variant, traced; the others scaled from it" if "partitioner" in how
-           else next(iter(how), "eager"))
-    how = {"eager": "what eager autograd saves"}.get(how, how)
+    sources = {r.estimate for r in compiled.estimated_shapes.values() if r.saved_activation_bytes}
+    how = ("Inductor's partition of the largest variant, traced; the others scaled from it" if "partitioner" in sources
+           else "what eager autograd saves" if sources <= {"eager"} else "; ".join(sorted(sources)))
     lines += ["", f"arena total: {total:,} bytes ({_mib(total)}) in {len(plan.dtensors)} DTensors",
               f"activation pool estimate (largest train variant, shared graph pool): "
               f"{_mib(compiled.activation_estimate)}"

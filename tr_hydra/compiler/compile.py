@@ -87,8 +87,13 @@ class Compiled:
     def predicted_need(self) -> int:
         """Arena + saved activations + the backward's gradients before their copy + the BLAS
         workspaces."""
-        return (self.plan.total_bytes + self.activation_estimate + self.gradient_transient
-                + self.library_workspace)
+        return self.fixed_need + self.activation_estimate
+
+    @property
+    def fixed_need(self) -> int:
+        """``predicted_need`` less the activations: arena, the backward's gradients before their
+        copy, the BLAS workspaces."""
+        return self.plan.total_bytes + self.gradient_transient + self.library_workspace
 
 
 def twin_series(pc: PlanConfig) -> tuple[str, ...]:
@@ -191,7 +196,9 @@ def inductor_wanted(pc: PlanConfig, device_type: str) -> bool:
     return pc.runtime.compile == "inductor" or (pc.runtime.compile == "auto" and device_type == "cuda")
 
 
-_PARTITIONED: dict = {}  # (model, dtype, batch, channels, res, recompute) -> bytes, or the trace's error
+# (model, dtype, batch, channels, res, recompute, the analysed model's module types: its swaps)
+# -> bytes, or the estimate's words where the trace failed
+_PARTITIONED: dict = {}
 
 
 def partitioned(shapes: dict[str, ShapeReport], meta_model: nn.Module, pc: PlanConfig,

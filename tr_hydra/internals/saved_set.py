@@ -15,8 +15,6 @@ FakeTensor), ``torch._functorch.aot_autograd.aot_function``,
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -57,7 +55,7 @@ def saved_bytes(model: nn.Module, batch: int, channels: int, res: int, dtype: to
     was = model.training
     model.train(True)
     try:
-        with fconfig.patch(**(options or {})) if options else contextlib.nullcontext(), mode:
+        with fconfig.patch(**(options or {})), mode:
             x = torch.empty(batch, channels, res, res, dtype=dtype).contiguous(memory_format=torch.channels_last)
             for p in params.values():
                 p.requires_grad_(True)

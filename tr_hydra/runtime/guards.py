@@ -26,10 +26,10 @@ def check_memory(compiled, free_bytes: int, device: str = "cuda") -> None:
     the figures and the largest batch that fits."""
     pc = compiled.config
     arena, grads, lib = compiled.plan.total_bytes, compiled.gradient_transient, compiled.library_workspace
-    if int((arena + compiled.activation_bound + grads + lib) * HEADROOM) <= free_bytes:
+    if int((compiled.fixed_need + compiled.activation_bound) * HEADROOM) <= free_bytes:
         return  # it fits even by eager autograd's count: no trace of Inductor's partition needed
     act = compiled.activation_estimate
-    need = int((arena + act + grads + lib) * HEADROOM)
+    need = int(compiled.predicted_need * HEADROOM)
     if need <= free_bytes:
         return
     batch = pc.batch_size

@@ -108,10 +108,9 @@ class _Plan:
         from tr_hydra.runtime.guards import HEADROOM
         c = rt.compiled
         free, _ = torch.cuda.mem_get_info(rt.device)
-        fixed = c.plan.total_bytes + c.gradient_transient + c.library_workspace
-        n = memory_limited(want, free, fixed, c.activation_bound, HEADROOM)
+        n = memory_limited(want, free, c.fixed_need, c.activation_bound, HEADROOM)
         if n < want:  # too few by eager autograd's count: count as the partition keeps
-            n = memory_limited(want, free, fixed, c.activation_estimate, HEADROOM)
+            n = memory_limited(want, free, c.fixed_need, c.activation_estimate, HEADROOM)
         if n == 0:
             if want:
                 log("runtime.precompile: no room on the device for a parallel compile; compiling in turn")
